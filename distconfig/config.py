@@ -1,0 +1,198 @@
+"""A DistConfig: one named way to parallelize the model (dp x tp x pp, optional sp) on some devices.
+
+Its mesh has axes ("pp", "dp", "tp") with tp innermost, so tensor-parallel peers are consecutive
+ranks and share a node (as in Megatron-LM), and pipeline stages are the outermost blocks.
+"""
+
+from __future__ import annotations
+
+import numbers
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from .mesh import Mesh
+
+__all__ = ["DistConfig"]
+
+AXIS_NAMES = ("pp", "dp", "tp")
+_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True, slots=True)
+class DistConfig:
+    """`devices` (optional) are the ranks the config runs on, in mesh order; default 0..world_size-1."""
+
+    name: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    devices: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+            raise ValueError(
+                f"DistConfig name {self.name!r} must be a non-empty identifier (letters, digits, '_', "
+                "'-', '.'); pick a name like 'dp8' or 'long_seq'"
+            )
+        for axis in ("dp", "tp", "pp"):
+            degree = getattr(self, axis)
+            if not isinstance(degree, numbers.Integral) or isinstance(degree, bool) or degree < 1:
+                raise ValueError(
+                    f"DistConfig {self.name!r}: {axis} must be a positive int, got {degree!r}; "
+                    f"use {axis}=1 for no {axis} parallelism"
+                )
+            object.__setattr__(self, axis, int(degree))
+        if not isinstance(self.sp, bool):
+            raise ValueError(f"DistConfig {self.name!r}: sp must be True or False, got {self.sp!r}")
+        if self.sp and self.tp == 1:
+            raise ValueError(
+                f"DistConfig {self.name!r}: sequence parallelism shards activations across the "
+                "tensor-parallel axis, so it needs tp > 1; set tp>=2 or sp=False"
+            )
+        if self.devices is not None:
+            object.__setattr__(self, "devices", self._check_devices(self.devices))
+
+    def _check_devices(self, devices: Sequence[int]) -> tuple[int, ...]:
+        if isinstance(devices, (str, bytes)) or not isinstance(devices, Sequence):
+            raise ValueError(f"DistConfig {self.name!r}: devices must be a list of ranks, got {devices!r}")
+        if not all(isinstance(d, numbers.Integral) and not isinstance(d, bool) and d >= 0 for d in devices):
+            raise ValueError(
+                f"DistConfig {self.name!r}: devices must be non-negative int ranks, got {list(devices)}"
+            )
+        devices = tuple(int(d) for d in devices)
+        if len(set(devices)) != len(devices):
+            raise ValueError(
+                f"DistConfig {self.name!r}: devices {list(devices)} repeat a rank; list each rank once"
+            )
+        if len(devices) != self.world_size:
+            raise ValueError(
+                f"DistConfig {self.name!r} needs dp*tp*pp = {self.world_size} devices but {len(devices)} "
+                f"were given; pass exactly {self.world_size} devices or change the degrees"
+            )
+        return devices
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return AXIS_NAMES
+
+    def ranks(self) -> tuple[int, ...]:
+        """The devices this config runs on, in mesh (row-major) order."""
+        return self.devices if self.devices is not None else tuple(range(self.world_size))
+
+    def mesh(self) -> Mesh:
+        """Mesh of shape (pp, dp, tp), tp innermost; every axis present even when its size is 1."""
+        return Mesh.from_shape((self.pp, self.dp, self.tp), AXIS_NAMES, self.ranks())
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise if this config cannot run in a job of `world_size` processes."""
+        if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        n = self.world_size
+        if self.devices is not None:
+            outside = [d for d in self.devices if d >= world_size]
+            if outside:
+                raise ValueError(
+                    f"DistConfig {self.name!r} uses devices {outside} but the job has {world_size} "
+                    f"processes (ranks 0..{world_size - 1}); pass devices that are ranks of the job"
+                )
+            return
+        if n == world_size:
+            return
+        fix = f"change the degrees so that dp*tp*pp = {world_size}"
+        if n < world_size:
+            fix += f" or pass devices=[...] with {n} of the {world_size} ranks"
+        raise ValueError(
+            f"DistConfig {self.name!r} uses dp*tp*pp = {n} devices but the job has {world_size} "
+            f"processes; {fix}"
+        )
+
+    def instantiate(
+        self, num_devices: int, devices: Sequence[int] | None = None, name: str | None = None
+    ) -> DistConfig:
+        """This config on `num_devices` devices (elastic change): tp, pp and sp kept, dp scaled.
+
+        The name is kept (it identifies the config across the change) unless `name` is given.
+        """
+        model_parallel = self.tp * self.pp
+        if not isinstance(num_devices, numbers.Integral) or num_devices < 1 or num_devices % model_parallel:
+            raise ValueError(
+                f"DistConfig {self.name!r} cannot run on {num_devices!r} devices: tp*pp = {model_parallel} "
+                f"must divide the device count; use a multiple of {model_parallel} devices or a config "
+                "with smaller tp/pp"
+            )
+        return replace(
+            self, name=self.name if name is None else name, dp=int(num_devices) // model_parallel,
+            devices=None if devices is None else tuple(devices),
+        )
+
+    @classmethod
+    def parse(cls, spec: str) -> DistConfig:
+        """Parse "dp=8,tp=8,pp=16" (keys: name, dp, tp, pp, sp, devices; bare "sp" means sp=true).
+
+        devices are ':'-separated ranks ("devices=0:1:2:3"); the name defaults to e.g. "dp8tp8pp16".
+        """
+        fields: dict[str, object] = {}
+        for item in (part.strip() for part in spec.split(",")):
+            if not item:
+                continue
+            key, sep, value = (s.strip() for s in item.partition("="))
+            if key == "sp" and not sep:
+                value = "true"
+            if key not in ("name", "dp", "tp", "pp", "sp", "devices") or (key != "sp" and not sep):
+                raise ValueError(
+                    f"DistConfig spec {spec!r}: cannot read {item!r}; write comma-separated key=value "
+                    "pairs with keys name, dp, tp, pp, sp, devices, e.g. 'dp=2,tp=4,sp'"
+                )
+            if key in fields:
+                raise ValueError(f"DistConfig spec {spec!r} sets {key!r} twice; give each key once")
+            fields[key] = _parse_value(spec, key, value)
+        if "name" not in fields:
+            degrees = (fields.get("dp", 1), fields.get("tp", 1), fields.get("pp", 1))
+            fields["name"] = default_name(*degrees, sp=fields.get("sp", False))
+        return cls(**fields)
+
+    def spec(self) -> str:
+        """The string `parse` reads back into this config."""
+        text = f"name={self.name},dp={self.dp},tp={self.tp},pp={self.pp}" + (",sp" if self.sp else "")
+        if self.devices is not None:
+            text += ",devices=" + ":".join(map(str, self.devices))
+        return text
+
+    def describe(self) -> str:
+        """One line for logs, e.g. "long: dp=1 tp=4 pp=2 +sp on 8 devices"."""
+        text = f"{self.name}: dp={self.dp} tp={self.tp} pp={self.pp}{' +sp' if self.sp else ''}"
+        text += f" on {self.world_size} device{'s' if self.world_size > 1 else ''}"
+        return text + (f" {list(self.devices)}" if self.devices is not None else "")
+
+
+def default_name(dp: int, tp: int, pp: int, sp: bool) -> str:
+    """"dp2tp4" style: the degrees above 1 (dp, tp, pp order), then "sp"; "dp1" for one device."""
+    name = "".join(f"{axis}{d}" for axis, d in (("dp", dp), ("tp", tp), ("pp", pp)) if d != 1)
+    return (name or "dp1") + ("sp" if sp else "")
+
+
+def _parse_value(spec: str, key: str, value: str):
+    if key == "name":
+        return value
+    if key == "sp":
+        if value.lower() in _TRUE:
+            return True
+        if value.lower() in _FALSE:
+            return False
+        raise ValueError(f"DistConfig spec {spec!r}: sp={value!r} is not a boolean; write sp, sp=1 or sp=0")
+    try:
+        if key == "devices":
+            return tuple(int(d) for d in value.split(":"))
+        return int(value)
+    except ValueError:
+        example = "devices=0:1:2:3" if key == "devices" else f"{key}=4"
+        raise ValueError(
+            f"DistConfig spec {spec!r}: {key}={value!r} is not a number; write e.g. {example}"
+        ) from None
