@@ -1,0 +1,233 @@
+"""Megatron's tensor-parallel roles, read off the graph instead of module names.
+
+A 2-D parameter used as a matmul weight is *column-parallel* when its activation comes (through
+element-wise ops, views, norms' inputs) from the replicated residual stream: an embedding, a norm, a
+model input. It is *row-parallel* when its activation comes only from other matmul outputs, i.e. it
+closes a block (attention out-projection: its input derives from q/k/v; MLP down: from up/gate).
+Refinements, each a case Megatron handles the same way:
+- a column weight whose output is split along its features (GPT-2's fused `c_attn`) is replicated:
+  sharding it contiguously would mix q, k and v slices;
+- a column weight whose output is viewed into heads that tp does not divide is replicated when a
+  sibling projection has more heads (GQA with tp > kv heads: kv heads replicated), else an error;
+- the LM head (a column weight feeding a log-softmax) is replicated; the token embedding is
+  vocab-parallel (Shard(0)) unless it is tied to the head.
+Roles are computed once per model; placements per config come from `param_placements`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.t.default,
+            aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
+            aten.squeeze.dims, aten.expand.default, aten.clone.default, aten.alias.default,
+            aten._to_copy.default, aten.contiguous.default}
+_TRANSPOSE_OPS = {aten.t.default, aten.transpose.int, aten.permute.default}
+_MATMUL_OPS = {aten.mm.default, aten.addmm.default}
+_BARRIER_OPS = {aten.native_layer_norm.default, aten.embedding.default, aten.rsqrt.default}
+_SOFTMAX_OPS = {aten._log_softmax.default, aten._softmax.default}
+
+
+@dataclass(frozen=True)
+class MatmulUse:
+    node: fx.Node  # the mm/addmm
+    param: str
+    out_dim: int  # the parameter dim that indexes output features
+    bias: str | None
+
+
+@dataclass(frozen=True)
+class TPRoles:
+    """role per parameter: 'column' | 'row' | 'vocab' | 'replicate'; dim: the parameter dim to shard."""
+
+    roles: dict[str, str]
+    shard_dims: dict[str, int]
+    reasons: dict[str, str]
+
+    def placement_dim(self, name: str) -> int | None:
+        return self.shard_dims.get(name) if self.roles.get(name) in ("column", "row", "vocab", "column_bias") else None
+
+
+def _param_of(node, placeholders: dict[fx.Node, str]) -> tuple[str, int] | None:
+    """Follow view-like ops back to a parameter; return (name, number of transposes)."""
+    flips = 0
+    while isinstance(node, fx.Node):
+        if node in placeholders:
+            return placeholders[node], flips
+        if node.target not in VIEW_OPS:
+            return None
+        if node.target in _TRANSPOSE_OPS:
+            flips += 1
+        node = node.args[0]
+    return None
+
+
+def _matmul_uses(graph: fx.Graph, params: dict[fx.Node, str]) -> list[MatmulUse]:
+    uses = []
+    for n in graph.nodes:
+        if n.target not in _MATMUL_OPS:
+            continue
+        a, b = (n.args[1], n.args[2]) if n.target is aten.addmm.default else (n.args[0], n.args[1])
+        found = _param_of(b, params)
+        if found is None:
+            continue
+        name, flips = found
+        bias = _param_of(n.args[0], params) if n.target is aten.addmm.default else None
+        uses.append(MatmulUse(n, name, 0 if flips % 2 else 1, bias[0] if bias else None))
+    return uses
+
+
+def _origins(start: fx.Node, mm_param: dict[fx.Node, str], param_free: set[fx.Node], params) -> set[str]:
+    """Where an activation comes from: names of matmul weights, or 'barrier' for the residual stream."""
+    out, seen, stack = set(), set(), [start]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, fx.Node) or n in seen or n in param_free:
+            continue
+        seen.add(n)
+        if n in mm_param:
+            out.add(mm_param[n])
+        elif n.op == "placeholder" or n.target in _BARRIER_OPS or n in params:
+            out.add("barrier")
+        elif n.target in (aten.mean.dim, aten.sum.dim_IntList, aten.var_mean.correction, aten.var.correction) \
+                and n.args[1] and list(n.args[1])[-1] in (-1, n.args[0].meta["val"].dim() - 1):
+            out.add("barrier")  # a reduction over features: a norm
+        else:
+            stack.extend(n.all_input_nodes)
+    return out
+
+
+def _follow_views(node: fx.Node):
+    """Users of `node` reached through view-like ops (yielding (user, value-it-consumed))."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.target in VIEW_OPS:
+                stack.append(u)
+            yield u, n
+
+
+def _head_count(mm: fx.Node, features: int) -> int | None:
+    """The number of heads when the matmul output is viewed [..., features] -> [..., heads, head_dim]."""
+    stack = [mm]
+    while stack:
+        n = stack.pop()
+        for u in n.users:
+            if u.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+                shape = [int(s) if not isinstance(s, fx.Node) else None for s in u.args[1]]
+                if len(shape) >= 2 and shape[-1] and shape[-2] and shape[-1] * shape[-2] == features:
+                    return shape[-2]
+                stack.append(u)
+    return None
+
+
+def _split_on_features(mm: fx.Node, features: int) -> bool:
+    for u, src in _follow_views(mm):
+        if u.target in (aten.split_with_sizes.default, aten.split.Tensor, aten.slice.Tensor, aten.chunk.default):
+            dim = u.args[1] if u.target is not aten.slice.Tensor else (u.args[1] if len(u.args) > 1 else 0)
+            if u.target in (aten.split_with_sizes.default, aten.split.Tensor, aten.chunk.default):
+                dim = u.args[2] if len(u.args) > 2 else 0
+            ndim = src.meta["val"].dim()
+            if dim in (-1, ndim - 1) and src.meta["val"].shape[-1] == features:
+                return True
+    return False
+
+
+def _feeds_softmax(mm: fx.Node) -> bool:
+    return any(u.target in _SOFTMAX_OPS for u, _ in _follow_views(mm))
+
+
+def infer_tp_roles(graph: fx.Graph, param_names: list[str], tp_degrees: tuple[int, ...] = ()) -> TPRoles:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    params = {n: name for n, name in zip(placeholders, param_names)}
+    uses = _matmul_uses(graph, params)
+    mm_param = {u.node: u.param for u in uses}
+    # Nodes that depend on no parameter and no user input are constants (RoPE tables, masks).
+    param_free: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "placeholder":
+            continue
+        if n.op == "call_function" and all(a in param_free for a in n.all_input_nodes):
+            param_free.add(n)
+    buffer_nodes = set(placeholders[len(param_names):])
+    # buffers (e.g. inv_freq) and their descendants without params/user inputs are constants too
+    inputs_nodes = {n for n in placeholders if n not in params and n not in buffer_nodes}
+    for n in graph.nodes:
+        if n.op == "call_function" and n not in param_free and all(
+                a in param_free or (a in buffer_nodes) for a in n.all_input_nodes) and not any(
+                a in inputs_nodes or a in params for a in n.all_input_nodes):
+            param_free.add(n)
+    param_free |= buffer_nodes
+
+    roles, dims, reasons = {}, {}, {}
+    embed_users: dict[str, fx.Node] = {}
+    for n in graph.nodes:
+        if n.target is aten.embedding.default and n.args[0] in params:
+            embed_users[params[n.args[0]]] = n
+    used_in_mm = {u.param for u in uses}
+    by_param: dict[str, list[MatmulUse]] = {}
+    for u in uses:
+        by_param.setdefault(u.param, []).append(u)
+
+    for name, us in by_param.items():
+        if name in embed_users:
+            roles[name], reasons[name] = "replicate", "tied to an embedding"
+            continue
+        origin = set().union(*(_origins(u.node.args[1] if u.node.target is aten.addmm.default else u.node.args[0],
+                                        mm_param, param_free, params) for u in us))
+        u = us[0]
+        if origin and "barrier" not in origin:
+            roles[name], dims[name] = "row", 1 - u.out_dim
+            reasons[name] = f"input comes from {sorted(origin)}"
+            if u.bias:
+                roles[u.bias], reasons[u.bias] = "replicate", f"bias of row-parallel {name}"
+            continue
+        features = u.node.meta["val"].shape[-1]
+        if _feeds_softmax(u.node):
+            roles[name], reasons[name] = "replicate", "LM head (feeds a log-softmax)"
+        elif _split_on_features(u.node, features):
+            roles[name], reasons[name] = "replicate", "fused projection split along its features"
+        else:
+            roles[name], dims[name] = "column", u.out_dim
+            reasons[name] = "input is the replicated residual stream"
+            heads = _head_count(u.node, int(features))
+            if heads is not None:
+                reasons[name] += f"; {heads} heads"
+                dims[("heads", name)] = heads  # type: ignore[index]
+        if u.bias and roles[name] == "column":
+            roles[u.bias], dims[u.bias], reasons[u.bias] = "column_bias", 0, f"bias of column-parallel {name}"
+        elif u.bias:
+            roles[u.bias], reasons[u.bias] = "replicate", f"bias of replicated {name}"
+    for name, node in embed_users.items():
+        if name in used_in_mm:
+            continue
+        idx = node.args[1]
+        from_input = any(a.op == "placeholder" for a in _ancestors(idx))
+        if from_input:
+            roles[name], dims[name], reasons[name] = "vocab", 0, "token embedding (vocab-parallel)"
+        else:
+            roles[name], reasons[name] = "replicate", "positional embedding"
+    for name in param_names:
+        roles.setdefault(name, "replicate")
+        reasons.setdefault(name, "norm, bias or other small parameter")
+    return TPRoles(roles, dims, reasons)
+
+
+def _ancestors(node: fx.Node):
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        yield n
+        stack.extend(a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+
+
+def heads_of(roles: TPRoles, name: str) -> int | None:
+    return roles.shard_dims.get(("heads", name))  # type: ignore[call-overload]

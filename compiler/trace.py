@@ -1,0 +1,181 @@
+"""Tracing an nn.Module into a LogicGraph: one single-device, communication-free graph.
+
+`torch.export` (non-strict) gives a core-ATen forward graph with dynamic batch and sequence dims and
+the parameters' fully qualified names. From it we derive, once, a *joint* forward+backward graph with
+`make_fx` (symbolic shapes): the unit the compiler shards, because a joint graph lets the same
+sharding propagation place the collectives of both directions (DESIGN 4a).
+
+The loss is split as `loss = num / den` when the model ends with a division by a parameter-free
+scalar (a mean cross-entropy: sum of token losses / count of target tokens). The joint graph then
+differentiates `num` only; the runtime reduces `num`, `den` and the gradients together in the data-
+parallel gradient buckets and divides once. That keeps the forward of pure DP free of collectives and
+makes uneven DP splits (and ignored labels) exact.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._decomp import core_aten_decompositions
+from torch.export import Dim, export
+from torch.fx.experimental.proxy_tensor import make_fx
+
+aten = torch.ops.aten
+
+# Ops kept whole because DTensor has a rule for them and their decompositions have none that
+# propagates well (autoparallel keeps the same ones).
+_KEEP = (aten.native_layer_norm.default, aten.native_layer_norm_backward.default,
+         aten._softmax.default, aten._softmax_backward_data.default,
+         aten._log_softmax.default, aten._log_softmax_backward_data.default,
+         aten.embedding_dense_backward.default)
+
+
+def decomposition_table() -> dict:
+    table = dict(core_aten_decompositions())
+    for op in _KEEP:
+        table.pop(op, None)
+    return table
+
+
+@dataclass
+class LogicGraph:
+    """A model traced once: forward and joint graphs over (params, buffers, inputs).
+
+    forward: (params..., buffers..., inputs...) -> (num, den) or (loss,)
+    joint:   (params..., buffers..., inputs...) -> (num, den?, grad per param...)
+    """
+
+    forward: fx.GraphModule
+    joint: fx.GraphModule
+    param_names: list[str]
+    buffer_names: list[str]
+    param_shapes: dict[str, torch.Size]
+    param_dtypes: dict[str, torch.dtype]
+    num_inputs: int
+    split_loss: bool  # outputs carry (num, den) rather than the loss itself
+    aliases: dict[str, str] = field(default_factory=dict)  # state_dict key -> canonical parameter name
+    seq_symbol: object = None  # the sympy symbol of the sequence dim, when the inputs have one
+
+    @property
+    def num_params(self) -> int:
+        return len(self.param_names)
+
+
+def _normalize_reduce_dims(gm: fx.GraphModule) -> None:
+    """`sum.dim_IntList(x, [])` means "all dims" in core ATen, but DTensor reads [] as "no dims"."""
+    for node in gm.graph.nodes:
+        if node.target in (aten.sum.dim_IntList, aten.mean.dim) and len(node.args) >= 2 and node.args[1] in ([], ()):
+            ndim = node.args[0].meta["val"].dim()
+            node.args = (node.args[0], list(range(ndim)), *node.args[2:])
+    gm.recompile()
+
+
+def _depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
+    seen, stack = set(), [node]
+    while stack:
+        n = stack.pop()
+        if n in sources:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return False
+
+
+def _split_loss(gm: fx.GraphModule, param_nodes: set[fx.Node]) -> bool:
+    """Rewrite `return (num / den,)` into `return (num, den)` when den is a parameter-free scalar."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    (loss,) = out.args[0]
+    if loss.meta["val"].dim() != 0:
+        raise ValueError(
+            f"the model must return a scalar loss (mean over tokens); it returned a tensor of shape "
+            f"{tuple(loss.meta['val'].shape)}. Wrap it so that forward(*inputs) returns the loss, "
+            "e.g. `lambda ids, labels: hf_model(input_ids=ids, labels=labels).loss`.")
+    if loss.target is aten.div.Tensor and isinstance(loss.args[1], fx.Node):
+        num, den = loss.args
+        if den.meta["val"].dim() == 0 and not _depends_on(den, param_nodes):
+            out.args = ((num, den),)
+            gm.graph.eliminate_dead_code()
+            gm.recompile()
+            return True
+    return False
+
+
+def trace(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int, tuple[int, ...]] | None = None) -> LogicGraph:
+    """Trace `model(*example_inputs)` (a scalar loss) into a LogicGraph.
+
+    dynamic_dims: input index -> dims that vary between calls; default: dims 0 (batch) and 1
+    (sequence) of every input tensor of rank >= 2.
+    """
+    example_inputs = tuple(example_inputs)
+    if dynamic_dims is None:
+        dynamic_dims = {i: (0, 1) for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.dim() >= 2}
+    dyn_shapes = tuple(
+        {d: Dim.AUTO for d in dynamic_dims.get(i, ())} if isinstance(x, torch.Tensor) else None
+        for i, x in enumerate(example_inputs)
+    )
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        ep = export(model, example_inputs, dynamic_shapes=dyn_shapes, strict=False)
+        ep = ep.run_decompositions(decomposition_table())
+    sig = ep.graph_signature
+    if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
+        raise ValueError("the model mutates buffers or inputs in forward (e.g. running statistics); "
+                         "hotswitch compiles pure training graphs: remove the mutation or register it as a non-buffer")
+    param_names, buffer_names, user_inputs = [], [], 0
+    for spec in sig.input_specs:
+        kind = spec.kind.name
+        if kind == "PARAMETER":
+            param_names.append(spec.target)
+        elif kind == "BUFFER":
+            buffer_names.append(spec.target)
+        elif kind == "USER_INPUT":
+            user_inputs += 1
+        elif kind in ("CONSTANT_TENSOR",):
+            raise ValueError(f"the model holds a constant tensor attribute {spec.target!r}; register it as a buffer")
+    if user_inputs != sum(isinstance(x, torch.Tensor) for x in example_inputs):
+        raise ValueError("every example input must be a tensor (pass options as module attributes, not inputs)")
+
+    # The exported module: placeholders are (params, buffers, user inputs) in signature order.
+    fwd = ep.graph_module
+    _normalize_reduce_dims(fwd)
+    placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
+    split = _split_loss(fwd, set(placeholders[: len(param_names)]))
+
+    state = dict(model.state_dict(keep_vars=True))
+    named = dict(model.named_parameters(remove_duplicate=False))
+    canon = {id(p): n for n, p in model.named_parameters()}
+    aliases = {k: canon[id(v)] for k, v in named.items() if canon.get(id(v)) != k}
+    params = [state[n].detach() for n in param_names]
+    buffers = [state[n].detach() for n in buffer_names]
+
+    joint = _make_joint(fwd, len(params), split, params, buffers, example_inputs)
+    seq_symbol = None
+    for n in joint.graph.nodes:
+        if n.op == "placeholder" and n.name.startswith("inputs"):
+            val = n.meta["val"]
+            if val.dim() >= 2 and isinstance(val.shape[1], torch.SymInt):
+                seq_symbol = val.shape[1].node.expr
+                break
+    return LogicGraph(
+        forward=fwd, joint=joint, param_names=param_names, buffer_names=buffer_names,
+        param_shapes={n: p.shape for n, p in zip(param_names, params)},
+        param_dtypes={n: p.dtype for n, p in zip(param_names, params)},
+        num_inputs=user_inputs, split_loss=split, aliases=aliases, seq_symbol=seq_symbol)
+
+
+def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffers, inputs) -> fx.GraphModule:
+    def joint(params, buffers, inputs):
+        outs = fwd(*params, *buffers, *inputs)
+        target = outs[0]
+        grads = torch.autograd.grad(target, params, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+        return (*outs, *grads)
+
+    p = [x.clone().requires_grad_(x.is_floating_point()) for x in params]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="symbolic")(p, list(buffers), list(inputs))
+    _normalize_reduce_dims(gm)
+    return gm

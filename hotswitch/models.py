@@ -1,0 +1,184 @@
+"""Built-in models: a configurable GPT/LLaMA-style causal LM and wrappers for Hugging Face models.
+
+The built-in model is deliberately ordinary PyTorch (nn.Linear, F.scaled_dot_product_attention,
+RoPE, RMSNorm or LayerNorm, GQA) so that the compiler is tested on the same shapes of code that real
+models are written in; Hugging Face models are covered by `HFCausalLMLoss`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 1000
+    dim: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None: multi-head attention; fewer than n_heads: GQA
+    ffn_dim: int | None = None  # None: 4 * dim (gelu) or 8/3 * dim rounded (swiglu)
+    max_seq_len: int = 1024
+    norm: str = "rms"  # "rms" | "layer"
+    mlp: str = "swiglu"  # "swiglu" | "gelu"
+    position: str = "rope"  # "rope" | "learned"
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        return 4 * self.dim if self.mlp == "gelu" else 64 * math.ceil(8 * self.dim / 3 / 64)
+
+
+# Named configurations for the CLI, benchmarks and tests.
+MODEL_CONFIGS: dict[str, GPTConfig] = {
+    "gpt-tiny": GPTConfig(vocab_size=1001, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256),
+    "gpt-small": GPTConfig(vocab_size=8003, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, max_seq_len=512),
+    # GPT-2 small sized (12 layers, 768 wide, 12 heads); used by the compile-time benchmark.
+    "gpt2-small": GPTConfig(vocab_size=50257, dim=768, n_layers=12, n_heads=12, norm="layer", mlp="gelu",
+                            position="learned", tie_embeddings=True, max_seq_len=1024),
+    # About 23M parameters, GPT-2 style: the switching benchmark's model.
+    "gpt2-23m": GPTConfig(vocab_size=8192, dim=384, n_layers=8, n_heads=6, norm="layer", mlp="gelu",
+                          position="learned", max_seq_len=512),
+}
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, kind: str, eps: float = 1e-5):
+        super().__init__()
+        self.kind, self.eps = kind, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if kind == "layer" else None
+
+    def forward(self, x):
+        if self.kind == "layer":
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, device=None, base: float = 10000.0):
+    inv_freq = 1.0 / base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.dim // cfg.n_heads
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.dim, cfg.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+        self.rope = cfg.position == "rope"
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rope:
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        if self.n_kv_heads != self.n_heads:
+            rep = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.swiglu = cfg.mlp == "swiglu"
+        if self.swiglu:
+            self.gate_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=not self.swiglu)
+        self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=not self.swiglu)
+
+    def forward(self, x):
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm, self.attn = Norm(cfg.dim, cfg.norm), Attention(cfg)
+        self.mlp_norm, self.mlp = Norm(cfg.dim, cfg.norm), MLP(cfg)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """Causal LM. `forward(input_ids, labels)` returns the mean next-token cross-entropy
+    (labels are the targets already aligned with `input_ids`; -100 is ignored), or logits without labels."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim)
+        if cfg.position == "learned":
+            self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = Norm(cfg.dim, cfg.norm)
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
+    def forward(self, input_ids, labels=None):
+        t = input_ids.shape[1]
+        x = self.embed(input_ids)
+        cos = sin = None
+        if self.cfg.position == "learned":
+            x = x + self.pos_embed(torch.arange(t, device=input_ids.device))
+        else:
+            cos, sin = rope_tables(t, self.cfg.dim // self.cfg.n_heads, input_ids.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if labels is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def build_model(name: str, **overrides) -> GPT:
+    """A built-in model by name (see MODEL_CONFIGS), with field overrides."""
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model {name!r}; built-in models: {', '.join(MODEL_CONFIGS)}")
+    from dataclasses import replace
+
+    return GPT(replace(MODEL_CONFIGS[name], **overrides))
