@@ -6,7 +6,6 @@ upstream change breaks one file. Pinned to torch 2.13.
 """
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from collections.abc import Sequence
 
@@ -81,10 +80,11 @@ def redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> tor
 
 
 def local_shape(spec: DTensorSpec) -> tuple[int, ...]:
-    shape, _ = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
-    return tuple(shape)
+    return local_shape_and_offset(spec)[0]
 
 
-@contextlib.contextmanager
-def no_dtensor_cache():
-    yield
+def local_shape_and_offset(spec: DTensorSpec) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's piece of a global tensor (torch.chunk semantics, uneven shards included)."""
+    shape, offset = compute_local_shape_and_global_offset(spec.shape, spec.mesh, spec.placements)
+    return tuple(shape), tuple(offset)
+

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._decomp import core_aten_decompositions
 from torch.export import Dim, export
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -61,6 +62,15 @@ class LogicGraph:
     @property
     def num_params(self) -> int:
         return len(self.param_names)
+
+
+def _cse(gm: fx.GraphModule) -> fx.GraphModule:
+    """Merge identical pure nodes: q, k and v projections then view one tensor once, so the
+    compiler gathers a sequence-sharded activation once for all three (Megatron's single all-gather)."""
+    from torch.fx.passes.dialect.common.cse_pass import CSEPass
+
+    result = CSEPass()(gm)
+    return result.graph_module
 
 
 def _normalize_reduce_dims(gm: fx.GraphModule) -> None:
@@ -168,7 +178,10 @@ def trace(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int,
 
 def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffers, inputs) -> fx.GraphModule:
     def joint(params, buffers, inputs):
-        outs = fwd(*params, *buffers, *inputs)
+        # An Interpreter under preserve_node_meta hands each forward node's source line and module
+        # path on to the joint graph (error messages and per-block collective counts use them).
+        with fx_traceback.preserve_node_meta():
+            outs = fx.Interpreter(fwd).run(*params, *buffers, *inputs)
         target = outs[0]
         grads = torch.autograd.grad(target, params, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
@@ -177,5 +190,6 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffe
     p = [x.clone().requires_grad_(x.is_floating_point()) for x in params]
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="symbolic")(p, list(buffers), list(inputs))
+    gm = _cse(gm)
     _normalize_reduce_dims(gm)
     return gm

@@ -1,0 +1,403 @@
+"""Sharding propagation over a joint graph and lowering to one rank's ExecGraph.
+
+Two steps, kept apart so the first can be inspected and tested on its own:
+
+1. `propagate_graph`: walk the graph in order with DTensorSpecs built from global shapes. Each op
+   asks DTensor's strategy for that op which input placements it needs and which output placement
+   it gives; parameters (and views of them) are pinned to the layout the config gave them. A
+   `Partial` result is reduced where it is produced (all-reduce, or reduce-scatter onto the sequence
+   dim under sequence parallelism), except when its only consumers are additions of other partial
+   values or the graph's outputs: that yields Megatron's collectives exactly (one reduction after
+   q/k/v's input-gradients are summed, not three) and leaves gradients partial for the buckets.
+2. `lower`: an interpreter replays those decisions on this rank's local shards under `make_fx`,
+   so every collective becomes an explicit functional-collective node of the GraphModule; the data-
+   parallel gradient reduction is emitted last, bucketed, followed by the division by the loss
+   denominator and the redistribution of every gradient into its parameter's layout.
+"""
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from . import _dtensor as dt
+from .tp_rules import VIEW_OPS
+
+aten = torch.ops.aten
+
+_DROP_OPS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
+_SYM_OPS = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
+_LIKE_OPS = {aten.ones_like.default, aten.zeros_like.default, aten.full_like.default, aten.empty_like.default}
+_ADD_OPS = {aten.add.Tensor, aten.sub.Tensor}
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
+
+
+class ShardingError(ValueError):
+    """An op that DTensor's strategies cannot shard; the message names the node and its source line."""
+
+
+def source_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    # the user's frame is the last "File ..." line not inside torch
+    frames = [(lines[i], lines[i + 1] if i + 1 < len(lines) else "") for i, ln in enumerate(lines) if ln.startswith("File ")]
+    frames = [f for f in frames if "/torch/" not in f[0]] or frames
+    return f"{frames[-1][0]}: {frames[-1][1]}" if frames else "(no source line recorded)"
+
+
+@dataclass
+class Decision:
+    kind: str  # "const" | "drop" | "getitem" | "op" | "placeholder"
+    value: Any = None
+    tensor_nodes: list = field(default_factory=list)
+    in_specs: list = field(default_factory=list)
+    want_specs: list = field(default_factory=list)
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    out_spec: Any = None  # spec (or tuple of specs) the op produces
+    reduce_to: Any = None  # spec after the eager Partial reduction, if any
+    fallback: bool = False
+
+    @property
+    def spec(self):
+        return self.reduce_to if self.reduce_to is not None else self.out_spec
+
+
+def _is_tensor_node(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+
+
+def _has_partial(spec) -> bool:
+    return isinstance(spec, dt.DTensorSpec) and any(p.is_partial() for p in spec.placements)
+
+
+def _view_source(node: fx.Node) -> fx.Node:
+    while isinstance(node, fx.Node) and node.target in VIEW_OPS:
+        node = node.args[0]
+    return node
+
+
+@dataclass
+class GraphSharding:
+    decisions: dict[fx.Node, Decision]
+    output_specs: list
+
+
+def _seq_dim(node: fx.Node, seq_symbol) -> int | None:
+    val = node.meta.get("val")
+    if seq_symbol is None or not isinstance(val, torch.Tensor) or val.dim() < 2:
+        return None
+    for d, s in enumerate(val.shape):
+        if isinstance(s, torch.SymInt) and s.node.expr == seq_symbol:
+            return d
+    return None
+
+
+def propagate_graph(graph: fx.Graph, mesh: dt.DeviceMesh, placeholder_specs: list, *, sp_axis: int | None = None,
+                    seq_symbol=None, pinned_nodes: set[fx.Node] = frozenset(), strict: bool = True,
+                    keep_partial: set[fx.Node] | None = None) -> GraphSharding:
+    """Decide placements for every node. `keep_partial=None` runs the policy's two passes."""
+    if keep_partial is None:
+        first = propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, seq_symbol=seq_symbol,
+                                pinned_nodes=pinned_nodes, strict=strict, keep_partial=set())
+        partial = {n for n, d in first.decisions.items() if d.kind == "op" and _has_partial(d.out_spec)}
+        keep_partial = _partials_to_keep(graph, partial)
+    decisions: dict[fx.Node, Decision] = {}
+    specs: dict[fx.Node, Any] = {}
+    values: dict[fx.Node, Any] = {}
+    placeholders = iter(placeholder_specs)
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            specs[node] = next(placeholders)
+            decisions[node] = Decision("placeholder", out_spec=specs[node])
+            continue
+        if node.op == "output":
+            break
+        d = _decide(node, mesh, specs, values, pinned_nodes, strict)
+        if d.kind == "op" and _has_partial(d.out_spec) and node not in keep_partial:
+            scatter = sp_axis is not None and _from_param_op(node, pinned_nodes)
+            d.reduce_to = _reduction_target(d.out_spec, node, sp_axis if scatter else None, seq_symbol)
+        decisions[node] = d
+        if d.kind == "const":
+            values[node] = d.value
+        elif d.kind == "getitem":
+            specs[node] = specs[node.args[0]][node.args[1]]
+            d.out_spec = specs[node]
+        elif d.kind == "op":
+            specs[node] = d.spec
+    out = next(n for n in graph.nodes if n.op == "output")
+    return GraphSharding(decisions, [specs[a] for a in pytree.tree_leaves(out.args[0])])
+
+
+def _partials_to_keep(graph: fx.Graph, partial: set[fx.Node]) -> set[fx.Node]:
+    def partial_like(n) -> bool:
+        return isinstance(n, fx.Node) and (n in partial or (n.target in VIEW_OPS and partial_like(n.args[0])))
+
+    memo: dict[fx.Node, bool] = {}
+
+    def keep(n: fx.Node) -> bool:
+        if n not in memo:
+            memo[n] = False  # cycle guard
+            ok = bool(n.users)
+            for u in n.users:
+                if u.op == "output" or u.target in VIEW_OPS or u.target in _LIKE_OPS or u.target in _SYM_OPS:
+                    continue  # a view of a partial decides for itself; *_like and sizes read no values
+                if u.target in _ADD_OPS and all(partial_like(a) for a in u.args[:2] if a is not n):
+                    continue
+                ok = False
+                break
+            memo[n] = ok
+        return memo[n]
+
+    kept = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and (partial_like(n) or n.target in _ADD_OPS) and keep(n):
+            kept.add(n)
+    return kept
+
+
+def _from_param_op(node: fx.Node, pinned_nodes) -> bool:
+    """Is this partial value the output of a parameter op (row-parallel linear, embedding), possibly
+    through views and sums? Megatron's sequence parallelism reduce-scatters exactly those."""
+    n = _view_source(node)
+    if n.target in _ADD_OPS:
+        return any(_from_param_op(a, pinned_nodes) for a in n.args[:2] if isinstance(a, fx.Node))
+    return any(a in pinned_nodes for a in n.all_input_nodes)
+
+
+def _reduction_target(spec, node: fx.Node, sp_axis: int | None, seq_symbol):
+    placements = list(spec.placements)
+    seq = _seq_dim(node, seq_symbol) if sp_axis is not None else None
+    for i, p in enumerate(placements):
+        if not p.is_partial():
+            continue
+        taken = any(isinstance(q, dt.Shard) and q.dim == seq for j, q in enumerate(placements) if j != i)
+        placements[i] = dt.Shard(seq) if (i == sp_axis and seq is not None and not taken) else dt.Replicate()
+    return dt.DTensorSpec(spec.mesh, tuple(placements), spec.tensor_meta)
+
+
+def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
+    target = node.target
+    if target in _DROP_OPS:
+        return Decision("drop")
+    if target is operator.getitem and isinstance(specs.get(node.args[0]), (tuple, list)):
+        return Decision("getitem")
+    concrete = lambda a: values.get(a, a) if isinstance(a, fx.Node) and not _is_tensor_node(a) else a  # noqa: E731
+    if target in _SYM_OPS or not isinstance(target, torch._ops.OpOverload):
+        args = pytree.tree_map(lambda a: values[a] if isinstance(a, fx.Node) and a in values else a, node.args)
+        if target in _SYM_OPS:
+            meta = specs[node.args[0]].tensor_meta
+            value = {aten.sym_size.int: lambda: meta.shape[args[1]], aten.sym_numel.default: lambda: meta.shape.numel(),
+                     aten.sym_stride.int: lambda: meta.stride[args[1]], aten.sym_storage_offset.default: lambda: 0}[target]()
+        else:
+            value = target(*args, **node.kwargs)
+        return Decision("const", value=value)
+
+    tensor_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
+    to_schema = lambda a: specs[a] if _is_tensor_node(a) else concrete(a)  # noqa: E731
+    args = pytree.tree_map(to_schema, node.args)
+    kwargs = pytree.tree_map(to_schema, dict(node.kwargs))
+    if not tensor_nodes or target in _LIKE_OPS:
+        # Factory ops (no tensor input) are replicated; *_like of a partial value is a fresh tensor.
+        like = specs[tensor_nodes[0]] if tensor_nodes else None
+        placements = tuple(dt.Replicate() if (like is None or p.is_partial()) else p
+                           for p in (like.placements if like else [dt.Replicate()] * mesh.ndim))
+        if like is not None and placements != like.placements:
+            return _fallback(node, mesh, specs, tensor_nodes, args, kwargs, placements)
+        meta = _fake_run(target, args, kwargs, like)
+        spec = dt.make_spec(mesh, placements, meta)
+        return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
+                        want_specs=[specs[n] for n in tensor_nodes], args=args, kwargs=kwargs, out_spec=spec)
+    pinned = frozenset(i for i, n in enumerate(tensor_nodes) if n in pinned_nodes)
+    error = None
+    if dt.has_rule(target):
+        try:
+            out = dt.propagate(target, args, kwargs, pinned)
+        except Exception as e:  # DTensor raises many types; each becomes a ShardingError below
+            error = e
+        else:
+            if out.output_spec is not None:
+                redo = out.redistribute_schema
+                want = list(redo.args_spec) if redo is not None else [specs[n] for n in tensor_nodes]
+                if redo is not None and out.use_val_from_redistribute_schema:
+                    args, kwargs = redo.args_schema, redo.kwargs_schema
+                return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
+                                want_specs=want, args=args, kwargs=kwargs, out_spec=out.output_spec)
+            error = RuntimeError("no output sharding")
+    problem = f"no sharding rule for {target}" if error is None else f"{target} could not be sharded ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
+    message = (f"{problem} at graph node {node.name!r}, from {source_line(node)}; input placements: "
+               f"{[tuple(specs[n].placements) for n in tensor_nodes]}. Fix: rewrite that line with ops DTensor can shard, "
+               "or compile with strict=False to run it replicated (its inputs are gathered) with a warning.")
+    if strict:
+        raise ShardingError(message)
+    warnings.warn("hotswitch: " + message, stacklevel=2)
+    return _fallback(node, mesh, specs, tensor_nodes, args, kwargs, (dt.Replicate(),) * mesh.ndim)
+
+
+def _fallback(node, mesh, specs, tensor_nodes, args, kwargs, placements) -> Decision:
+    """Run the op on replicated inputs (gathered first): always correct, never fast."""
+    want = [dt.DTensorSpec(mesh, (dt.Replicate(),) * mesh.ndim, specs[n].tensor_meta) for n in tensor_nodes]
+    replicated_args = pytree.tree_map(lambda a: want[0] if isinstance(a, dt.DTensorSpec) else a, args)
+    metas = _fake_run(node.target, args, kwargs, None)
+    make = lambda m: dt.make_spec(mesh, (dt.Replicate(),) * mesh.ndim, m)  # noqa: E731
+    out = tuple(make(m) for m in metas) if isinstance(metas, (tuple, list)) else make(metas)
+    del replicated_args
+    return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes], want_specs=want,
+                    args=args, kwargs=kwargs, out_spec=out, fallback=True)
+
+
+_fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _fake_run(target, args, kwargs, like):
+    def to_fake(a):
+        if isinstance(a, dt.DTensorSpec):
+            return torch.empty_strided(a.shape, a.stride, dtype=a.tensor_meta.dtype)
+        return a
+
+    with _fake_mode:
+        out = target(*pytree.tree_map(to_fake, args), **pytree.tree_map(to_fake, kwargs))
+    return out
+
+
+# --------------------------------------------------------------------------------------------- lowering
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """How the graph's outputs become the ExecGraph's results."""
+
+    split_loss: bool
+    num_losses: int  # 2 when (num, den), else 1
+    param_specs: tuple  # the layout every gradient must end in (empty for a forward-only graph)
+
+
+def lower(graph: fx.Graph, sharding: GraphSharding, local_inputs: list[torch.Tensor], out_plan: OutputPlan,
+          mesh: dt.DeviceMesh, bucket_bytes: int = BUCKET_BYTES) -> fx.GraphModule:
+    """Trace this rank's program: local shards in, (loss, *local grads) out, collectives as nodes."""
+    decisions = sharding.decisions
+
+    _tag_phases(graph, out_plan.num_losses)
+
+    def step(node, env, moved):
+        d = decisions[node]
+        if d.kind == "drop":
+            return
+        if d.kind == "const":
+            env[node] = d.value
+            return
+        if d.kind == "getitem":
+            env[node] = env[node.args[0]][node.args[1]]
+            return
+        tensors = []
+        for src, have, want in zip(d.tensor_nodes, d.in_specs, d.want_specs):
+            value = env[src]
+            if have.placements != want.placements:
+                key = (src, want.placements)
+                if key not in moved:  # one all-gather of a tensor serves all its consumers
+                    moved[key] = dt.redistribute(value, have, want)
+                value = moved[key]
+            tensors.append(value)
+        tensors_it = iter(tensors)
+        fill = lambda a: next(tensors_it) if isinstance(a, dt.DTensorSpec) else a  # noqa: E731
+        out = node.target(*pytree.tree_map(fill, d.args), **pytree.tree_map(fill, dict(d.kwargs)))
+        if d.reduce_to is not None:
+            out = dt.redistribute(out, d.out_spec, d.reduce_to)
+        env[node] = out
+
+    def run(*flat):
+        env: dict[fx.Node, Any] = {}
+        moved: dict[tuple, torch.Tensor] = {}
+        it = iter(flat)
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                env[node] = next(it)
+            elif node.op == "output":
+                leaves = [env[a] for a in pytree.tree_leaves(node.args[0])]
+                with fx_traceback.set_current_meta(node):  # tagged phase "reduce"
+                    return _finish(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes)
+            else:
+                # Nodes traced here inherit the source node's meta: its phase, source line, module path.
+                with fx_traceback.set_current_meta(node):
+                    step(node, env, moved)
+        raise AssertionError("graph without output")
+
+    with warnings.catch_warnings(), fx_traceback.preserve_node_meta():
+        warnings.simplefilter("ignore")
+        gm = make_fx(run, tracing_mode="fake")(*local_inputs)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _tag_phases(graph: fx.Graph, num_losses: int) -> None:
+    """Tag nodes (meta['custom']['phase']): 'forward' if the loss depends on them, else 'backward'."""
+    out = next(n for n in graph.nodes if n.op == "output")
+    losses = pytree.tree_leaves(out.args[0])[:num_losses]
+    forward: set[fx.Node] = set()
+    stack = list(losses)
+    while stack:
+        n = stack.pop()
+        if n in forward or not isinstance(n, fx.Node):
+            continue
+        forward.add(n)
+        stack.extend(n.all_input_nodes)
+    for n in graph.nodes:
+        phase = "reduce" if n.op == "output" else "forward" if n in forward else "backward"
+        n.meta["custom"] = {**n.meta.get("custom", {}), "phase": phase, "source": n.name}
+
+
+def collectives(gm: fx.GraphModule, phase: str | None = None) -> list[fx.Node]:
+    """The collective nodes of an ExecGraph (waits excluded), optionally of one phase."""
+    return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
+            and "wait_tensor" not in str(n.target)
+            and (phase is None or n.meta.get("custom", {}).get("phase") == phase)]
+
+
+def _partial_dims(spec) -> tuple[int, ...]:
+    return tuple(i for i, p in enumerate(spec.placements) if p.is_partial())
+
+
+def _finish(leaves, specs, plan: OutputPlan, mesh, bucket_bytes):
+    """Reduce partial outputs in buckets, divide by the loss denominator, put grads in param layout."""
+    from torch.distributed import _functional_collectives as funcol
+
+    reduced = list(leaves)
+    # Buckets per set of partial mesh dims, gradients in reverse order (the backward produces the
+    # last layers first); the loss numerator/denominator ride along with the first bucket of their kind.
+    order = list(range(len(leaves)))[plan.num_losses:][::-1] + list(range(plan.num_losses))
+    groups: dict[tuple, list[list[int]]] = {}
+    for i in order:
+        dims = _partial_dims(specs[i])
+        if not dims:
+            continue
+        buckets = groups.setdefault(dims, [[]])
+        size = sum(leaves[j].numel() * leaves[j].element_size() for j in buckets[-1])
+        if buckets[-1] and size + leaves[i].numel() * leaves[i].element_size() > bucket_bytes and i >= plan.num_losses:
+            buckets.append([])
+        buckets[-1].append(i)
+    for dims, buckets in groups.items():
+        for bucket in buckets:
+            flat = torch.cat([leaves[i].reshape(-1) for i in bucket])
+            for d in dims:
+                flat = funcol.all_reduce(flat, "sum", (mesh, d))
+            for i, piece in zip(bucket, flat.split([leaves[i].numel() for i in bucket])):
+                reduced[i] = piece.view(leaves[i].shape)
+    final_specs = [dt.DTensorSpec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements), s.tensor_meta)
+                   for s in specs]
+    losses, grads = reduced[: plan.num_losses], reduced[plan.num_losses:]
+    for k, (g, have, want) in enumerate(zip(grads, final_specs[plan.num_losses:], plan.param_specs)):
+        if have.placements != want.placements:
+            grads[k] = dt.redistribute(g, have, want)
+    if plan.split_loss:
+        num, den = losses
+        den = den.to(num.dtype)
+        return (num / den, *[g / den for g in grads])
+    return (losses[0], *grads)

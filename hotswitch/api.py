@@ -1,0 +1,347 @@
+"""The public API: `compile(model, example_inputs, configs)` -> CompiledModel.
+
+A CompiledModel holds one traced LogicGraph, the parameter layouts of every DistConfig, this rank's
+ExecGraphs (compiled for the example shapes up front, for other input shapes on first use and
+cached), and the local shards of the active config's parameters and gradients.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from compiler import _dtensor as dt
+from compiler.lower import OutputPlan, lower, propagate_graph
+from compiler.tp_rules import VIEW_OPS, TPRoles, heads_of, infer_tp_roles
+from compiler.trace import LogicGraph, trace
+from distconfig import DistConfig
+
+
+@dataclass
+class ConfigState:
+    """What one DistConfig needs on this rank."""
+
+    config: DistConfig
+    mesh: DeviceMesh
+    axis: dict[str, int]  # mesh axis name -> mesh dim
+    param_specs: dict[str, tuple]  # parameter name -> torch placements, one per mesh dim
+    train_graphs: dict[tuple, fx.GraphModule] = field(default_factory=dict)  # global input shapes -> graph
+    forward_graphs: dict[tuple, fx.GraphModule] = field(default_factory=dict)
+    compile_seconds: dict[tuple, float] = field(default_factory=dict)
+    last_shapes: tuple | None = None
+
+
+def _mesh_axes(config: DistConfig) -> tuple[list[str], list[int]]:
+    names = [a for a, n in (("dp", config.dp), ("tp", config.tp)) if n > 1] or ["dp"]
+    return names, [getattr(config, a) for a in names]
+
+
+class CompiledModel:
+    def __init__(self, model: torch.nn.Module, example_inputs, configs, *, strict: bool = True):
+        if not dist.is_initialized():
+            raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
+                               "(gloo on CPU, nccl on GPU), on every rank")
+        configs = list(configs)
+        if not configs:
+            raise ValueError("configs is empty: pass at least one DistConfig, e.g. [hs.DistConfig('dp4', dp=4)]")
+        names = [c.name for c in configs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"config names must be unique, got {names}")
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        for c in configs:
+            if c.pp != 1:
+                raise ValueError(f"config {c.name!r} has pp={c.pp}: pipeline parallelism is not supported yet; use pp=1")
+            c.check_world_size(self.world_size)
+            if c.world_size != self.world_size:
+                raise ValueError(f"config {c.name!r} uses {c.world_size} of the {self.world_size} processes; "
+                                 f"every config must use all of them (set dp*tp = {self.world_size})")
+        self.strict = strict
+        self._configs = tuple(configs)
+        self._example_inputs = tuple(example_inputs)
+        self.logic: LogicGraph = trace(model, self._example_inputs)
+        placeholders = [n for n in self.logic.forward.graph.nodes if n.op == "placeholder"]
+        self.roles: TPRoles = infer_tp_roles(self.logic.forward.graph, self.logic.param_names)
+        del placeholders
+        state = model.state_dict()
+        self._full_params = {n: state[n].detach().clone() for n in self.logic.param_names}
+        self._buffers = [state[n].detach().clone() for n in self.logic.buffer_names]
+        self._state_keys = list(state.keys())
+        self._states: dict[str, ConfigState] = {c.name: self._make_state(c) for c in configs}
+        self._local: dict[str, torch.Tensor] = {}
+        self._grads: dict[str, torch.Tensor] | None = None
+        self._global_shapes: dict[tuple, tuple] = {}
+        shapes = tuple(tuple(x.shape) for x in self._example_inputs)
+        for c in configs:
+            self._train_graph(self._states[c.name], shapes)
+        self._activate(configs[0].name, self._full_params)
+        del self._full_params
+
+    # ------------------------------------------------------------------------------- public surface
+    @property
+    def configs(self) -> tuple[DistConfig, ...]:
+        return self._configs
+
+    @property
+    def active(self) -> str:
+        return self._active
+
+    def exec_graph(self, name: str, shapes: tuple | None = None) -> fx.GraphModule:
+        """This rank's training ExecGraph for config `name` (for the given or last-used input shapes)."""
+        st = self._state(name)
+        shapes = shapes or st.last_shapes or tuple(tuple(x.shape) for x in self._example_inputs)
+        return self._train_graph(st, tuple(tuple(s) for s in shapes))
+
+    def switch(self, name: str) -> None:
+        """Activate config `name`: parameters and gradients move to its layout (by gathering)."""
+        st = self._state(name)
+        if name == self._active:
+            return
+        full = self.full_state_dict(canonical=True)
+        grads = self._full(self._grads) if self._grads is not None else None
+        self._activate(st.config.name, full, grads)
+
+    def shard_inputs(self, *global_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's part of a global batch: batch dim 0 split over the data-parallel axis (torch.chunk)."""
+        st = self._states[self._active]
+        if len(global_inputs) != self.logic.num_inputs:
+            raise ValueError(f"the model takes {self.logic.num_inputs} inputs, got {len(global_inputs)}")
+        dp = st.config.dp
+        index = self._coordinate(st, "dp")
+        batch = global_inputs[0].shape[0]
+        if batch < dp:
+            raise ValueError(f"a global batch of {batch} cannot be split over dp={dp} ranks: use a batch of at least {dp}")
+        local = tuple(x.tensor_split(dp, dim=0)[index] if dp > 1 else x for x in global_inputs)
+        self._global_shapes[(self._active, tuple(tuple(x.shape) for x in local))] = tuple(tuple(x.shape) for x in global_inputs)
+        return local
+
+    def forward_backward(self, *local_inputs: torch.Tensor) -> torch.Tensor:
+        """Loss of the global batch; gradients (DP-reduced) accumulate on the local shards."""
+        st = self._states[self._active]
+        gm = self._train_graph(st, self._global_input_shapes(st, local_inputs))
+        outs = gm(*self._local_params(), *self._buffers, *local_inputs)
+        loss, grads = outs[0], outs[1:]
+        if self._grads is None:
+            self._grads = {n: g.detach() for n, g in zip(self.logic.param_names, grads)}
+        else:
+            for n, g in zip(self.logic.param_names, grads):
+                self._grads[n] += g
+        return loss.detach()
+
+    def __call__(self, *local_inputs: torch.Tensor) -> torch.Tensor:
+        """Forward only: the loss of the global batch."""
+        st = self._states[self._active]
+        shapes = self._global_input_shapes(st, local_inputs)
+        if shapes not in st.forward_graphs:
+            st.forward_graphs[shapes] = self._lower(st, self.logic.forward.graph, shapes, with_grads=False)
+        with torch.no_grad():
+            return st.forward_graphs[shapes](*self._local_params(), *self._buffers, *local_inputs)[0]
+
+    def zero_grad(self) -> None:
+        self._grads = None
+
+    @property
+    def local_params(self) -> dict[str, torch.Tensor]:
+        return dict(self._local)
+
+    @property
+    def local_grads(self) -> dict[str, torch.Tensor] | None:
+        return None if self._grads is None else dict(self._grads)
+
+    def full_state_dict(self, canonical: bool = False) -> dict[str, torch.Tensor]:
+        """{name: full tensor}, the keys of model.state_dict() (tied weights under every name)."""
+        full = self._full(self._local)
+        if canonical:
+            return full
+        out = {}
+        for key in self._state_keys:
+            if key in full:
+                out[key] = full[key]
+            elif key in self.logic.aliases:
+                out[key] = full[self.logic.aliases[key]]
+            elif key in self.logic.buffer_names:
+                out[key] = self._buffers[self.logic.buffer_names.index(key)]
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """{name: full gradient}, the keys of model.named_parameters(); zeros before any backward."""
+        if self._grads is None:
+            return {n: torch.zeros(self.logic.param_shapes[n], dtype=self.logic.param_dtypes[n]) for n in self.logic.param_names}
+        return self._full(self._grads)
+
+    def compile_seconds(self, name: str) -> float:
+        st = self._state(name)
+        return sum(st.compile_seconds.values())
+
+    # ------------------------------------------------------------------------------------ internals
+    def _state(self, name: str) -> ConfigState:
+        if name not in self._states:
+            raise KeyError(f"unknown config {name!r}; the compiled configs are {list(self._states)}")
+        return self._states[name]
+
+    def _make_state(self, config: DistConfig) -> ConfigState:
+        names, shape = _mesh_axes(config)
+        devices = torch.tensor(config.devices or range(config.world_size)).reshape(shape)
+        mesh = DeviceMesh("cpu", devices, mesh_dim_names=tuple(names))
+        axis = {a: i for i, a in enumerate(names)}
+        specs = {n: self._param_placement(n, config, axis, len(names)) for n in self.logic.param_names}
+        return ConfigState(config, mesh, axis, specs)
+
+    def _param_placement(self, name: str, config: DistConfig, axis: dict[str, int], ndim: int) -> tuple:
+        placements = [dt.Replicate()] * ndim
+        tp = config.tp
+        dim = self.roles.placement_dim(name)
+        if tp > 1 and dim is not None:
+            heads = heads_of(self.roles, name)
+            if heads is not None and heads % tp:
+                siblings = [n for n in self.logic.param_names if n != name and n.rsplit(".", 2)[0] == name.rsplit(".", 2)[0]
+                            and (heads_of(self.roles, n) or 0) > heads and heads_of(self.roles, n) % tp == 0]
+                if not siblings:
+                    ok = [d for d in range(1, heads + 1) if heads % d == 0]
+                    raise ValueError(f"config {config.name!r}: tp={tp} does not divide the {heads} attention heads of "
+                                     f"{name}; choose tp from {ok} (a tensor-parallel rank must hold whole heads)")
+                return tuple(placements)  # GQA with tp > kv heads: kv projections replicated, as Megatron does
+            placements[axis["tp"]] = dt.Shard(dim)
+        return tuple(placements)
+
+    def _coordinate(self, st: ConfigState, axis_name: str) -> int:
+        if axis_name not in st.axis:
+            return 0
+        return st.mesh.get_coordinate()[st.axis[axis_name]]
+
+    def _global_input_shapes(self, st: ConfigState, local_inputs) -> tuple:
+        key = (st.config.name, tuple(tuple(x.shape) for x in local_inputs))
+        if key not in self._global_shapes:
+            # Inputs sharded by the caller: learn the global batch once per shape (a tiny all-gather).
+            sizes = torch.tensor([x.shape[0] for x in local_inputs[:1]])
+            gathered = [torch.zeros_like(sizes) for _ in range(self.world_size)]
+            dist.all_gather(gathered, sizes)
+            ranks = st.mesh.mesh.flatten().tolist()
+            dp_peers = [r for r in ranks if self._same_except(st, r, "dp")]
+            batch = sum(int(gathered[r][0]) for r in dp_peers)
+            self._global_shapes[key] = tuple((batch, *x.shape[1:]) for x in local_inputs)
+        return self._global_shapes[key]
+
+    def _same_except(self, st: ConfigState, rank: int, axis_name: str) -> bool:
+        coords = (st.mesh.mesh == rank).nonzero()[0].tolist()
+        mine = st.mesh.get_coordinate()
+        return all(c == m for i, (c, m) in enumerate(zip(coords, mine)) if i != st.axis.get(axis_name))
+
+    def _placeholder_specs(self, st: ConfigState, shapes: tuple, with_inputs_meta) -> list:
+        mesh, ndim = st.mesh, st.mesh.ndim
+        specs = []
+        for n in self.logic.param_names:
+            meta = torch.empty(self.logic.param_shapes[n], dtype=self.logic.param_dtypes[n], device="meta")
+            specs.append(dt.make_spec(mesh, st.param_specs[n], meta))
+        for b in self._buffers:
+            specs.append(dt.make_spec(mesh, (dt.Replicate(),) * ndim, b.to("meta")))
+        for x, shape in zip(with_inputs_meta, shapes):
+            placements = [dt.Replicate()] * ndim
+            if "dp" in st.axis and st.config.dp > 1:
+                placements[st.axis["dp"]] = dt.Shard(0)
+            specs.append(dt.make_spec(mesh, placements, torch.empty(shape, dtype=x.dtype, device="meta")))
+        return specs
+
+    def _virtual_shapes(self, st: ConfigState, shapes: tuple) -> tuple:
+        """Global input shapes as this rank propagates them: its local batch times dp.
+
+        Batches split with tensor_split can be uneven, which DTensor's chunk semantics cannot
+        express through a flatten. Data parallelism moves no activation across the dp axis (only
+        sums of losses and gradients), so each rank may pretend the others hold as many rows as it
+        does: its own graph is then exact, and so are the reductions.
+        """
+        dp = st.config.dp
+        if dp == 1:
+            return shapes
+        batch = shapes[0][0]
+        local = _split_size(batch, dp, self._coordinate(st, "dp"))
+        if batch % dp and not self.logic.split_loss:
+            raise ValueError(f"a global batch of {batch} does not split evenly over dp={dp}, and the model's loss is not "
+                             "a sum divided by a count, so an uneven split cannot be weighted exactly: use a batch "
+                             f"divisible by {dp}, or return loss_sum / num_tokens")
+        return tuple((local * dp, *s[1:]) for s in shapes)
+
+    def _lower(self, st: ConfigState, graph: fx.Graph, shapes: tuple, with_grads: bool) -> fx.GraphModule:
+        t0 = time.perf_counter()
+        specs = self._placeholder_specs(st, self._virtual_shapes(st, shapes), self._example_inputs)
+        pinned = _param_derived(graph, len(self.logic.param_names))
+        sharding = propagate_graph(graph, st.mesh, specs, sp_axis=st.axis.get("tp") if st.config.sp else None,
+                                   seq_symbol=_seq_symbol(graph, self.logic.num_inputs), pinned_nodes=pinned, strict=self.strict)
+        plan = OutputPlan(split_loss=self.logic.split_loss, num_losses=2 if self.logic.split_loss else 1,
+                          param_specs=tuple(specs[: len(self.logic.param_names)]) if with_grads else ())
+        local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype) for s in specs]
+        gm = lower(graph, sharding, local, plan, st.mesh)
+        gm.meta["hotswitch"] = {"config": st.config.name, "shapes": shapes, "sharding": sharding}
+        st.compile_seconds[(shapes, with_grads)] = time.perf_counter() - t0
+        return gm
+
+    def _train_graph(self, st: ConfigState, shapes: tuple) -> fx.GraphModule:
+        if shapes not in st.train_graphs:
+            st.train_graphs[shapes] = self._lower(st, self.logic.joint.graph, shapes, with_grads=True)
+        st.last_shapes = shapes
+        return st.train_graphs[shapes]
+
+    def _local_params(self) -> list[torch.Tensor]:
+        return [self._local[n] for n in self.logic.param_names]
+
+    def _activate(self, name: str, full: dict[str, torch.Tensor], full_grads=None) -> None:
+        st = self._states[name]
+        self._local = {n: self._slice(st, n, full[n]) for n in self.logic.param_names}
+        self._grads = None if full_grads is None else {n: self._slice(st, n, full_grads[n]) for n in self.logic.param_names}
+        self._active = name
+
+    def _slice(self, st: ConfigState, name: str, full: torch.Tensor) -> torch.Tensor:
+        spec = dt.make_spec(st.mesh, st.param_specs[name], full)
+        shape, offset = dt.local_shape_and_offset(spec)
+        index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+        return full[index].clone()
+
+    def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        st = self._states[self._active]
+        out = {}
+        for n in self.logic.param_names:
+            placements = st.param_specs[n]
+            if all(p.is_replicate() for p in placements):
+                out[n] = local[n].clone()
+                continue
+            shape = self.logic.param_shapes[n]
+            stride = torch.empty(shape, device="meta").stride()
+            out[n] = DTensor.from_local(local[n], st.mesh, placements, run_check=False, shape=shape, stride=stride).full_tensor()
+        return out
+
+
+def _split_size(n: int, parts: int, index: int) -> int:
+    """Rows of part `index` when n rows are split by torch.tensor_split into `parts`."""
+    return n // parts + (1 if index < n % parts else 0)
+
+
+def _param_derived(graph: fx.Graph, num_params: int) -> set[fx.Node]:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][:num_params]
+    derived = set(placeholders)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in VIEW_OPS and n.args and n.args[0] in derived:
+            derived.add(n)
+    return derived
+
+
+def _seq_symbol(graph: fx.Graph, num_inputs: int):
+    """The symbol of the sequence dim: dim 1 of the first model input of rank >= 2."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder"][-num_inputs:]
+    for n in inputs:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() >= 2 and isinstance(val.shape[1], torch.SymInt):
+            return val.shape[1].node.expr
+    return None
+
+
+def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True) -> CompiledModel:
+    """Trace `model` (forward returns a scalar mean loss) once and compile it for every config.
+
+    Call on every rank after `dist.init_process_group`, with identical weights on every rank. The
+    example inputs are a *global* batch; the first config is active afterwards.
+    """
+    return CompiledModel(model, example_inputs, configs, strict=strict)
