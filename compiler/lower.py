@@ -29,6 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from . import _dtensor as dt
+from ._dtensor import OpSchema
 from .tp_rules import VIEW_OPS
 
 aten = torch.ops.aten
@@ -36,6 +37,10 @@ aten = torch.ops.aten
 _DROP_OPS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
 _SYM_OPS = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
 _LIKE_OPS = {aten.ones_like.default, aten.zeros_like.default, aten.full_like.default, aten.empty_like.default}
+# Ops whose result depends on no input value: their placement is free (a local chunk of a fresh tensor).
+_FRESH_OPS = _LIKE_OPS | {aten.new_zeros.default, aten.new_empty.default, aten.new_full.default,
+                          aten.new_ones.default, aten.zeros.default, aten.full.default, aten.empty.memory_format,
+                          aten.ones.default, aten.scalar_tensor.default}
 _ADD_OPS = {aten.add.Tensor, aten.sub.Tensor}
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
@@ -210,17 +215,18 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
         like = specs[tensor_nodes[0]] if tensor_nodes else None
         placements = tuple(dt.Replicate() if (like is None or p.is_partial()) else p
                            for p in (like.placements if like else [dt.Replicate()] * mesh.ndim))
-        if like is not None and placements != like.placements:
-            return _fallback(node, mesh, specs, tensor_nodes, args, kwargs, placements)
         meta = _fake_run(target, args, kwargs, like)
         spec = dt.make_spec(mesh, placements, meta)
         return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
                         want_specs=[specs[n] for n in tensor_nodes], args=args, kwargs=kwargs, out_spec=spec)
+    if all(p.is_replicate() for n in tensor_nodes for p in specs[n].placements):
+        # Every input whole on every rank: the op runs as on one device (masks, RoPE tables, ...).
+        return _fallback(node, mesh, specs, tensor_nodes, args, kwargs, None)
     pinned = frozenset(i for i, n in enumerate(tensor_nodes) if n in pinned_nodes)
     error = None
     if dt.has_rule(target):
         try:
-            out = dt.propagate(target, args, kwargs, pinned)
+            out = _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs)
         except Exception as e:  # DTensor raises many types; each becomes a ShardingError below
             error = e
         else:
@@ -242,16 +248,50 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
     return _fallback(node, mesh, specs, tensor_nodes, args, kwargs, (dt.Replicate(),) * mesh.ndim)
 
 
+def _is_fresh(node: fx.Node) -> bool:
+    node = _view_source(node)
+    return isinstance(node, fx.Node) and node.target in _FRESH_OPS
+
+
+def _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs):
+    """Propagate; when an input is a fresh replicated tensor (zeros for a slice_scatter, say) and a
+    sibling input is sharded, first try that input placed like the sibling: a fresh tensor is
+    chunked locally for free, whereas DTensor, following the replicated one, would all-gather."""
+    out = dt.propagate(target, args, kwargs, pinned)
+    fresh = [i for i, n in enumerate(tensor_nodes) if _is_fresh(n) and all(p.is_replicate() for p in specs[n].placements)]
+    needs = out.redistribute_schema is not None and any(
+        i not in fresh and w.placements != specs[n].placements
+        for i, (n, w) in enumerate(zip(tensor_nodes, out.redistribute_schema.args_spec)))
+    if not fresh or not needs:
+        return out
+    donors = [specs[n] for i, n in enumerate(tensor_nodes) if i not in fresh and not any(p.is_partial() for p in specs[n].placements)
+              and not all(p.is_replicate() for p in specs[n].placements)]
+    for donor in donors:
+        fresh_nodes = {tensor_nodes[i] for i in fresh}
+        swap = lambda a: dt.DTensorSpec(a.mesh, donor.placements, a.tensor_meta) if (  # noqa: E731
+            isinstance(a, dt.DTensorSpec) and any(a is specs[n] for n in fresh_nodes) and a.ndim == donor.ndim) else a
+        try:
+            trial = dt.propagate(target, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs), pinned)
+        except Exception:  # noqa: BLE001 - this placement is only a candidate
+            continue
+        want = trial.redistribute_schema.args_spec if trial.redistribute_schema is not None else None
+        if trial.output_spec is not None and (want is None or all(
+                i in fresh or w.placements == specs[n].placements for i, (n, w) in enumerate(zip(tensor_nodes, want)))):
+            if trial.redistribute_schema is None:  # keep the real (replicated) specs as "have": chunk locally
+                trial.redistribute_schema = OpSchema(target, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs))
+            return trial
+    return out
+
+
 def _fallback(node, mesh, specs, tensor_nodes, args, kwargs, placements) -> Decision:
-    """Run the op on replicated inputs (gathered first): always correct, never fast."""
+    """Run the op on replicated inputs (gathered first when they are not): always correct."""
     want = [dt.DTensorSpec(mesh, (dt.Replicate(),) * mesh.ndim, specs[n].tensor_meta) for n in tensor_nodes]
-    replicated_args = pytree.tree_map(lambda a: want[0] if isinstance(a, dt.DTensorSpec) else a, args)
     metas = _fake_run(node.target, args, kwargs, None)
-    make = lambda m: dt.make_spec(mesh, (dt.Replicate(),) * mesh.ndim, m)  # noqa: E731
+    make = lambda m: dt.make_spec(mesh, (dt.Replicate(),) * mesh.ndim, m) if isinstance(m, torch.Tensor) else None  # noqa: E731
     out = tuple(make(m) for m in metas) if isinstance(metas, (tuple, list)) else make(metas)
-    del replicated_args
+    gathered = any(s.placements != w.placements for s, w in zip((specs[n] for n in tensor_nodes), want))
     return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes], want_specs=want,
-                    args=args, kwargs=kwargs, out_spec=out, fallback=True)
+                    args=args, kwargs=kwargs, out_spec=out, fallback=gathered)
 
 
 _fake_mode = FakeTensorMode(allow_non_fake_inputs=True)

@@ -120,6 +120,8 @@ def _head_count(mm: fx.Node, features: int) -> int | None:
         for u in n.users:
             if u.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
                 shape = [int(s) if not isinstance(s, fx.Node) else None for s in u.args[1]]
+                if len(shape) >= 2 and shape[-1] and shape[-1] > 0 and shape[-2] == -1 and features % shape[-1] == 0:
+                    return features // shape[-1]  # view(*batch, -1, head_dim), as Hugging Face writes it
                 if len(shape) >= 2 and shape[-1] and shape[-2] and shape[-1] * shape[-2] == features:
                     return shape[-2]
                 stack.append(u)

@@ -73,6 +73,25 @@ def _cse(gm: fx.GraphModule) -> fx.GraphModule:
     return result.graph_module
 
 
+def _drop_identity_slices(gm: fx.GraphModule) -> None:
+    """`x[:]` traces to slice(x, d, 0, INT64_MAX) and its backward to a full slice_scatter: both are
+    identities, and DTensor would gather a sharded dim to run them."""
+    full = lambda n, i: (n.args[i:i + 3] + (None, None, None))[:3]  # noqa: E731
+    for node in list(gm.graph.nodes):
+        if node.target is aten.slice.Tensor:
+            start, end, step = full(node, 2)
+            if start in (0, None) and end in (None, 2**63 - 1) and step in (1, None):
+                node.replace_all_uses_with(node.args[0])
+        elif node.target is aten.slice_scatter.default:
+            start, end, step = full(node, 3)
+            src, dst = node.args[1].meta.get("val"), node.args[0].meta.get("val")
+            if start in (0, None) and end in (None, 2**63 - 1) and step in (1, None) and src is not None \
+                    and dst is not None and src.shape == dst.shape:
+                node.replace_all_uses_with(node.args[1])
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
 def _normalize_reduce_dims(gm: fx.GraphModule) -> None:
     """`sum.dim_IntList(x, [])` means "all dims" in core ATen, but DTensor reads [] as "no dims"."""
     for node in gm.graph.nodes:
@@ -154,7 +173,7 @@ def trace(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int,
     placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     split = _split_loss(fwd, set(placeholders[: len(param_names)]))
 
-    state = dict(model.state_dict(keep_vars=True))
+    state = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
     named = dict(model.named_parameters(remove_duplicate=False))
     canon = {id(p): n for n, p in model.named_parameters()}
     aliases = {k: canon[id(v)] for k, v in named.items() if canon.get(id(v)) != k}
@@ -190,6 +209,7 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffe
     p = [x.clone().requires_grad_(x.is_floating_point()) for x in params]
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="symbolic")(p, list(buffers), list(inputs))
+    _drop_identity_slices(gm)
     gm = _cse(gm)
     _normalize_reduce_dims(gm)
     return gm

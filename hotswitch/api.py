@@ -67,10 +67,10 @@ class CompiledModel:
         placeholders = [n for n in self.logic.forward.graph.nodes if n.op == "placeholder"]
         self.roles: TPRoles = infer_tp_roles(self.logic.forward.graph, self.logic.param_names)
         del placeholders
-        state = model.state_dict()
-        self._full_params = {n: state[n].detach().clone() for n in self.logic.param_names}
-        self._buffers = [state[n].detach().clone() for n in self.logic.buffer_names]
-        self._state_keys = list(state.keys())
+        tensors = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+        self._full_params = {n: tensors[n].detach().clone() for n in self.logic.param_names}
+        self._buffers = [tensors[n].detach().clone() for n in self.logic.buffer_names]
+        self._state_keys = list(model.state_dict().keys())
         self._states: dict[str, ConfigState] = {c.name: self._make_state(c) for c in configs}
         self._local: dict[str, torch.Tensor] = {}
         self._grads: dict[str, torch.Tensor] | None = None

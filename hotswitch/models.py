@@ -182,3 +182,39 @@ def build_model(name: str, **overrides) -> GPT:
     from dataclasses import replace
 
     return GPT(replace(MODEL_CONFIGS[name], **overrides))
+
+
+class HFCausalLMLoss(nn.Module):
+    """A Hugging Face causal LM as a loss module: forward(input_ids, labels) -> mean token loss.
+
+    `labels` are already aligned with `input_ids` (shifted by the caller; -100 ignored), so the loss
+    is plain cross-entropy over logits, computed here rather than by the model's own loss helper.
+    """
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__()
+        self.model = hf_model
+
+    def forward(self, input_ids, labels):
+        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def build_hf_model(kind: str, vocab_size: int = 1001, **overrides) -> HFCausalLMLoss:
+    """A small Hugging Face model from a config with random weights (nothing is downloaded)."""
+    import transformers
+
+    if kind == "llama":
+        cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                   attn_implementation="sdpa", tie_word_embeddings=False)
+        cfg.update(overrides)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+    elif kind == "gpt2":
+        cfg = dict(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                   attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg.update(overrides)
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg))
+    else:
+        raise ValueError(f"unknown Hugging Face model kind {kind!r}; choose 'llama' or 'gpt2'")
+    return HFCausalLMLoss(model.train())
