@@ -33,7 +33,22 @@ _original_select = _sp._select_min_cost_strategy
 _pinned: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("hotswitch_pinned", default=frozenset())
 
 
+def _nests_one_dim(spec) -> bool:
+    specs = spec if isinstance(spec, (tuple, list)) else (spec,)
+    for s in specs:
+        dims = [p.dim for p in getattr(s, "placements", ()) if isinstance(p, Shard)]
+        if len(dims) != len(set(dims)):
+            return True
+    return False
+
+
 def _select_keeping_pinned(strategy: OpStrategy, op_schema: OpSchema | None = None):
+    if len(strategy.strategies) > 1:
+        # Never shard one tensor dim over two mesh axes when another choice exists: Megatron layouts
+        # do not, and DTensor's local shapes for flattening nested uneven shards are inconsistent.
+        flat = [s for s in strategy.strategies if not _nests_one_dim(s.output_specs)]
+        if flat and len(flat) < len(strategy.strategies):
+            strategy = OpStrategy(flat)
     pinned = _pinned.get()
     if pinned and op_schema is not None and len(strategy.strategies) > 1:
         current = op_schema.args_spec

@@ -101,6 +101,24 @@ def _normalize_reduce_dims(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _merge_tied(gm: fx.GraphModule, param_names: list[str], aliases: dict[str, str]) -> None:
+    """Tied weights appear once per name in the export signature; keep one parameter per tensor
+    (the name model.named_parameters() gives it) so its gradient sums every use."""
+    placeholders = dict(zip(param_names, [n for n in gm.graph.nodes if n.op == "placeholder"]))
+    for alias, canonical in aliases.items():
+        if alias not in placeholders:
+            continue
+        node = placeholders.pop(alias)
+        if canonical in placeholders:
+            node.replace_all_uses_with(placeholders[canonical])
+            gm.graph.erase_node(node)
+            param_names.remove(alias)
+        else:  # only the alias was lifted: it becomes the canonical name
+            param_names[param_names.index(alias)] = canonical
+            placeholders[canonical] = node
+    gm.recompile()
+
+
 def _depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
     seen, stack = set(), [node]
     while stack:
@@ -169,14 +187,13 @@ def trace(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int,
 
     # The exported module: placeholders are (params, buffers, user inputs) in signature order.
     fwd = ep.graph_module
+    state = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+    canon = {id(p): n for n, p in model.named_parameters()}
+    aliases = {k: canon[id(v)] for k, v in model.named_parameters(remove_duplicate=False) if canon[id(v)] != k}
+    _merge_tied(fwd, param_names, aliases)
     _normalize_reduce_dims(fwd)
     placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     split = _split_loss(fwd, set(placeholders[: len(param_names)]))
-
-    state = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
-    named = dict(model.named_parameters(remove_duplicate=False))
-    canon = {id(p): n for n, p in model.named_parameters()}
-    aliases = {k: canon[id(v)] for k, v in named.items() if canon.get(id(v)) != k}
     params = [state[n].detach() for n in param_names]
     buffers = [state[n].detach() for n in buffer_names]
 
