@@ -1,0 +1,19 @@
+"""Test-session setup: runs before any test module (and so before any Triton kernel) is imported.
+
+- ``TRITON_INTERPRET=1``: Triton kernels run on CPU through the interpreter. It must be set before a
+  kernel is defined. Export ``TRITON_INTERPRET=0`` to run the kernels on a GPU instead.
+- ``OMP_NUM_THREADS=1``: tests spawn several worker processes on small machines; one thread each.
+- The repository root goes on ``sys.path`` so that ``import tests.distributed``, ``hotswitch`` etc.
+  work without an install. Worker processes spawned by ``tests.distributed`` inherit both the
+  environment and ``sys.path``.
+"""
+
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)
