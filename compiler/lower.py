@@ -143,30 +143,32 @@ def propagate_graph(graph: fx.Graph, mesh: dt.DeviceMesh, placeholder_specs: lis
 
 
 def _partials_to_keep(graph: fx.Graph, partial: set[fx.Node]) -> set[fx.Node]:
-    def partial_like(n) -> bool:
-        return isinstance(n, fx.Node) and (n in partial or (n.target in VIEW_OPS and partial_like(n.args[0])))
-
+    """Partial values left unreduced: those consumed only by views, by sums with other values that
+    stay partial, by *_like ops and by the outputs (gradients, loss parts: reduced in buckets)."""
     memo: dict[fx.Node, bool] = {}
+
+    def stays_partial(n) -> bool:
+        n = _view_source(n)
+        return isinstance(n, fx.Node) and (n in partial or n.target in _ADD_OPS) and keep(n)
 
     def keep(n: fx.Node) -> bool:
         if n not in memo:
             memo[n] = False  # cycle guard
-            ok = bool(n.users)
+            # An embedding's partial (DTensor's MaskPartial) masks rows by the shape of its indices:
+            # it must be reduced where it is produced, never through a view.
+            ok = bool(n.users) and _view_source(n).target is not aten.embedding.default
             for u in n.users:
                 if u.op == "output" or u.target in VIEW_OPS or u.target in _LIKE_OPS or u.target in _SYM_OPS:
                     continue  # a view of a partial decides for itself; *_like and sizes read no values
-                if u.target in _ADD_OPS and all(partial_like(a) for a in u.args[:2] if a is not n):
+                if u.target in _ADD_OPS and all(stays_partial(a) for a in u.args[:2] if a is not n and isinstance(a, fx.Node)) \
+                        and sum(isinstance(a, fx.Node) for a in u.args[:2]) == 2 and keep(u):
                     continue
                 ok = False
                 break
             memo[n] = ok
         return memo[n]
 
-    kept = set()
-    for n in graph.nodes:
-        if n.op == "call_function" and (partial_like(n) or n.target in _ADD_OPS) and keep(n):
-            kept.add(n)
-    return kept
+    return {n for n in graph.nodes if n.op == "call_function" and (_view_source(n) in partial or n.target in _ADD_OPS) and keep(n)}
 
 
 def _from_param_op(node: fx.Node, pinned_nodes) -> bool:

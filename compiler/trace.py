@@ -226,6 +226,11 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffe
     p = [x.clone().requires_grad_(x.is_floating_point()) for x in params]
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="symbolic")(p, list(buffers), list(inputs))
+        if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in gm.graph.nodes):
+            # A sharded program may not mutate (an in-place write into a view would land in a
+            # redistributed copy): trace the joint graph once more, functionalized.
+            functional = torch.func.functionalize(gm, remove="mutations")
+            gm = make_fx(functional, tracing_mode="symbolic")([x.detach() for x in p], list(buffers), list(inputs))
     _drop_identity_slices(gm)
     gm = _cse(gm)
     _normalize_reduce_dims(gm)

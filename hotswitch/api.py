@@ -180,7 +180,8 @@ class CompiledModel:
     # ------------------------------------------------------------------------------------ internals
     def _state(self, name: str) -> ConfigState:
         if name not in self._states:
-            raise KeyError(f"unknown config {name!r}; the compiled configs are {list(self._states)}")
+            raise ValueError(f"unknown config {name!r}: the compiled configs are {list(self._states)}; pass one of "
+                             "these names, or compile again with this config added to `configs`")
         return self._states[name]
 
     def _make_state(self, config: DistConfig) -> ConfigState:

@@ -1,0 +1,104 @@
+"""Helpers shared by the multi-process compile tests (run inside the harness's workers)."""
+from __future__ import annotations
+
+import copy
+import re
+from collections import Counter
+
+import torch
+
+import hotswitch as hs
+from compiler.lower import collectives
+from hotswitch.models import build_hf_model, build_model
+
+VOCAB = 1001  # divides by neither 2 nor 4: vocab-parallel shards are uneven
+BATCH = 5     # divides by neither 2 nor 4: data-parallel shards are uneven
+SEQ = 12
+
+
+def batch(batch=BATCH, seq=SEQ, vocab=VOCAB, seed=0):
+    """Token ids and next-token labels (-100 at the end and on a few masked positions)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[0, :3] = -100
+    return ids, labels
+
+
+def make_model(kind: str, **overrides):
+    torch.manual_seed(0)  # identical weights on every rank
+    if kind in ("llama", "gpt2"):
+        return build_hf_model(kind, vocab_size=VOCAB, **overrides)
+    return build_model("gpt-tiny", vocab_size=VOCAB, **overrides)
+
+
+def reference(model, ids, labels):
+    ref = copy.deepcopy(model)
+    loss = ref(ids, labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach() for n, p in ref.named_parameters()}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.norm().item()
+    return (a - b).norm().item() / scale if scale > 0 else (a - b).norm().item()
+
+
+def assert_equivalent(kind: str, configs, tol: float = 1e-5, extra_seq: int | None = 7) -> dict:
+    """Loss and every full gradient of every config within `tol` relative of the single-device model."""
+    model = make_model(kind)
+    ids, labels = batch()
+    loss_ref, grads_ref = reference(model, ids, labels)
+    state_ref = {k: v.clone() for k, v in model.state_dict().items()}
+    cm = hs.compile(model, (ids, labels), configs=configs)
+    assert [c.name for c in cm.configs] == [c.name for c in configs]
+    report = {}
+    for config in configs:
+        cm.switch(config.name)
+        assert cm.active == config.name
+        cm.zero_grad()
+        local = cm.shard_inputs(ids, labels)
+        loss = cm.forward_backward(*local)
+        assert abs(loss.item() - loss_ref.item()) <= tol * abs(loss_ref.item()), (config.name, loss, loss_ref)
+        forward_only = cm(*local)
+        assert abs(forward_only.item() - loss_ref.item()) <= tol * abs(loss_ref.item()), (config.name, forward_only)
+        grads = cm.full_grads()
+        assert set(grads) == set(grads_ref), (set(grads) ^ set(grads_ref))
+        worst = max(grads_ref, key=lambda n: rel_err(grads[n], grads_ref[n]))
+        assert rel_err(grads[worst], grads_ref[worst]) <= tol, (config.name, worst, rel_err(grads[worst], grads_ref[worst]))
+        state = cm.full_state_dict()
+        assert set(state) == set(state_ref)
+        assert all(torch.equal(state[k], state_ref[k]) for k in state_ref), config.name
+        report[config.name] = collective_counts(cm.exec_graph(config.name))
+    if extra_seq:  # the LogicGraph is dynamic in the sequence length: another length compiles on demand
+        ids2, labels2 = batch(seq=extra_seq, seed=1)
+        loss_ref2, grads_ref2 = reference(model, ids2, labels2)
+        cm.zero_grad()
+        loss2 = cm.forward_backward(*cm.shard_inputs(ids2, labels2))
+        assert abs(loss2.item() - loss_ref2.item()) <= tol * abs(loss_ref2.item())
+        grads2 = cm.full_grads()
+        assert max(rel_err(grads2[n], grads_ref2[n]) for n in grads_ref2) <= tol
+    return report
+
+
+def collective_counts(gm, phase=None) -> dict[str, int]:
+    return dict(Counter(_kind(n) for n in collectives(gm, phase)))
+
+
+def _kind(node) -> str:
+    return str(node.target).split(".")[1].replace("_into_tensor", "").replace("_tensor", "")
+
+
+_BLOCK = re.compile(r"layers\.(\d+)\.(attn|self_attn|mlp)$")
+
+
+def forward_collectives_per_block(gm) -> dict[str, dict[str, int]]:
+    """Forward collectives grouped by the transformer sub-block (attention / MLP) they belong to."""
+    out: dict[str, Counter] = {}
+    for n in collectives(gm, "forward"):
+        paths = [path for path, _ in n.meta.get("nn_module_stack", {}).values()]
+        blocks = [m.group(0) for p in paths for m in [_BLOCK.search(p)] if m]
+        key = blocks[-1] if blocks else "outside blocks"
+        out.setdefault(key, Counter())[_kind(n)] += 1
+    return {k: dict(v) for k, v in out.items()}

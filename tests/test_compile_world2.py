@@ -1,0 +1,125 @@
+"""Compiled ExecGraphs on 2 gloo processes: equivalence, and errors that name the problem and the fix."""
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hotswitch as hs
+from compiler.lower import ShardingError
+from hotswitch.models import GPT, GPTConfig
+from tests.compile_checks import assert_equivalent, batch, make_model, reference, rel_err
+from tests.distributed import dist_fixture
+
+CONFIGS = [hs.DistConfig("dp2", dp=2), hs.DistConfig("tp2", tp=2), hs.DistConfig("tp2sp", tp=2, sp=True)]
+
+
+def check_gpt_equivalence():
+    return assert_equivalent("gpt", CONFIGS)
+
+
+def check_llama_equivalence():
+    return assert_equivalent("llama", CONFIGS, extra_seq=None)
+
+
+def check_gpt2_equivalence():
+    return assert_equivalent("gpt2", CONFIGS, extra_seq=None)
+
+
+def _error(fn):
+    try:
+        fn()
+    except (ValueError, ShardingError) as e:
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("no error raised")
+
+
+def check_wrong_device_count():
+    return _error(lambda: hs.compile(make_model("gpt"), batch(), configs=[hs.DistConfig("dp2tp2", dp=2, tp=2)]))
+
+
+def check_tp_not_dividing_heads():
+    model = GPT(GPTConfig(vocab_size=1001, dim=48, n_layers=1, n_heads=3))
+    return _error(lambda: hs.compile(model, batch(), configs=[hs.DistConfig("tp2", tp=2)]))
+
+
+def check_unknown_config():
+    cm = hs.compile(make_model("gpt"), batch(), configs=[hs.DistConfig("dp2", dp=2)])
+    return _error(lambda: cm.switch("tp8"))
+
+
+class CDistModel(nn.Module):
+    """A model using an op (torch.cdist) that DTensor has no sharding rule for, on a sharded tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(1001, 32)
+        self.up = nn.Linear(32, 64, bias=False)  # column-parallel: its output is sharded under tp
+        self.down = nn.Linear(64, 1001, bias=False)
+
+    def forward(self, ids, labels):
+        h = self.up(self.embed(ids))
+        h = h + 0.01 * torch.cdist(h, h).sum(-1, keepdim=True)
+        return F.cross_entropy(self.down(h).flatten(0, 1), labels.flatten(), ignore_index=-100)
+
+
+def check_op_without_rule():
+    torch.manual_seed(0)
+    return _error(lambda: hs.compile(CDistModel(), batch(), configs=[hs.DistConfig("tp2", tp=2)]))
+
+
+def check_op_without_rule_non_strict():
+    torch.manual_seed(0)
+    model = CDistModel()
+    ids, labels = batch()
+    loss_ref, grads_ref = reference(model, ids, labels)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cm = hs.compile(model, (ids, labels), configs=[hs.DistConfig("tp2", tp=2)], strict=False)
+    assert any("cdist" in str(w.message) and "replicated" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
+    grads = cm.full_grads()
+    assert abs(loss.item() - loss_ref.item()) < 1e-5 * loss_ref.item()
+    assert max(rel_err(grads[n], grads_ref[n]) for n in grads_ref) < 1e-5
+
+
+results = dist_fixture(2, [check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
+                           check_wrong_device_count, check_tp_not_dividing_heads, check_unknown_config,
+                           check_op_without_rule, check_op_without_rule_non_strict])
+
+
+def test_gpt_matches_single_device(results):
+    results["check_gpt_equivalence"].raise_if_failed()
+
+
+def test_hf_llama_matches_single_device(results):
+    results["check_llama_equivalence"].raise_if_failed()
+
+
+def test_hf_gpt2_matches_single_device(results):
+    results["check_gpt2_equivalence"].raise_if_failed()
+
+
+def test_wrong_device_count(results):
+    (msg, *_) = results["check_wrong_device_count"].raise_if_failed()
+    assert "ValueError" in msg and "4 devices" in msg and "2 processes" in msg and "dp*tp*pp" in msg, msg
+
+
+def test_tp_not_dividing_heads(results):
+    (msg, *_) = results["check_tp_not_dividing_heads"].raise_if_failed()
+    assert "tp=2 does not divide the 3 attention heads" in msg and "choose tp from [1, 3]" in msg, msg
+
+
+def test_unknown_config_name(results):
+    (msg, *_) = results["check_unknown_config"].raise_if_failed()
+    assert "unknown config 'tp8'" in msg and "['dp2']" in msg, msg
+
+
+def test_op_without_sharding_rule_names_node_and_source(results):
+    (msg, *_) = results["check_op_without_rule"].raise_if_failed()
+    assert msg.startswith("ShardingError") and "cdist" in msg and "test_compile_world2.py" in msg, msg
+    assert "strict=False" in msg, msg  # the fix
+
+
+def test_op_without_rule_runs_replicated_when_not_strict(results):
+    results["check_op_without_rule_non_strict"].raise_if_failed()

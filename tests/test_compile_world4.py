@@ -1,0 +1,101 @@
+"""Compiled ExecGraphs on 4 gloo processes: equal to single-device training, Megatron's collectives."""
+import torch.distributed as dist
+
+import hotswitch as hs
+from tests.compile_checks import assert_equivalent, collective_counts, forward_collectives_per_block, make_model, batch
+from tests.distributed import dist_fixture
+
+CONFIGS = [hs.DistConfig("dp4", dp=4), hs.DistConfig("dp2tp2", dp=2, tp=2),
+           hs.DistConfig("tp4sp", tp=4, sp=True), hs.DistConfig("tp4", tp=4)]
+
+
+def check_gpt_equivalence():
+    return assert_equivalent("gpt", CONFIGS)
+
+
+def check_llama_equivalence():
+    return assert_equivalent("llama", CONFIGS)
+
+
+def check_gpt2_equivalence():
+    return assert_equivalent("gpt2", CONFIGS, extra_seq=None)
+
+
+def _compiled_mha(kind):
+    """Models whose heads tp=4 divides (MHA), so every block is tensor-parallel end to end."""
+    over = {"n_kv_heads": 4} if kind == "gpt" else {"num_key_value_heads": 4}
+    model = make_model(kind, **over)
+    ids, labels = batch()
+    cm = hs.compile(model, (ids, labels), configs=[hs.DistConfig("tp4", tp=4), hs.DistConfig("tp4sp", tp=4, sp=True),
+                                                   hs.DistConfig("dp4", dp=4), hs.DistConfig("dp2tp2", dp=2, tp=2)])
+    return {name: (forward_collectives_per_block(cm.exec_graph(name)), collective_counts(cm.exec_graph(name), "forward"))
+            for name in ("tp4", "tp4sp", "dp4", "dp2tp2")}
+
+
+def check_collectives_gpt():
+    return _compiled_mha("gpt")
+
+
+def check_collectives_llama():
+    return _compiled_mha("llama")
+
+
+def check_wrong_device_count():
+    try:
+        hs.compile(make_model("gpt"), batch(), configs=[hs.DistConfig("dp8", dp=8)])
+    except ValueError as e:
+        return str(e)
+    raise AssertionError("a config of 8 devices compiled on 4 processes")
+
+
+results = dist_fixture(4, [check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
+                           check_collectives_gpt, check_collectives_llama, check_wrong_device_count])
+
+
+def test_gpt_matches_single_device(results):
+    results["check_gpt_equivalence"].raise_if_failed()
+
+
+def test_hf_llama_gqa_matches_single_device(results):
+    results["check_llama_equivalence"].raise_if_failed()
+
+
+def test_hf_gpt2_matches_single_device(results):
+    results["check_gpt2_equivalence"].raise_if_failed()
+
+
+def _assert_megatron(per_block, totals, n_layers=2):
+    tp_blocks, tp_total = per_block["tp4"]
+    sp_blocks, sp_total = per_block["tp4sp"]
+    blocks = [k for k in tp_blocks if k != "outside blocks"]
+    assert len(blocks) == 2 * n_layers, tp_blocks
+    for b in blocks:  # TP: one all-reduce per attention and per MLP block, nothing else
+        assert tp_blocks[b] == {"all_reduce": 1}, (b, tp_blocks[b])
+        assert sp_blocks[b] == {"all_gather": 1, "reduce_scatter": 1}, (b, sp_blocks[b])
+    # outside the blocks: the vocab-parallel embedding's reduction (all-reduce, or reduce-scatter with SP)
+    assert tp_blocks["outside blocks"] == {"all_reduce": 1}
+    assert sp_blocks["outside blocks"].get("reduce_scatter") == 1
+    assert per_block["dp4"][1] == {}, per_block["dp4"]  # pure DP: no collective in forward
+    dp2tp2_blocks = per_block["dp2tp2"][0]
+    assert all(dp2tp2_blocks[b] == {"all_reduce": 1} for b in blocks)
+    assert dp2tp2_blocks["outside blocks"] == {"all_reduce": 1}
+
+
+def test_collectives_follow_megatron_gpt(results):
+    (value, *_) = results["check_collectives_gpt"].raise_if_failed()
+    _assert_megatron(value, None)
+
+
+def test_collectives_follow_megatron_llama(results):
+    (value, *_) = results["check_collectives_llama"].raise_if_failed()
+    _assert_megatron(value, None)
+
+
+def test_equivalence_reports_dp_has_one_gradient_bucket(results):
+    (report, *_) = results["check_gpt_equivalence"].raise_if_failed()
+    assert report["dp4"] == {"all_reduce": 1}  # the whole DP reduction is one bucket on this model
+
+
+def test_wrong_device_count_names_problem_and_fix(results):
+    (message, *_) = results["check_wrong_device_count"].raise_if_failed()
+    assert "8" in message and "4" in message and "dp*tp*pp" in message, message
