@@ -1,0 +1,300 @@
+"""Pack many strided sub-blocks into one contiguous 1-D buffer, and unpack a buffer back into place.
+
+A switch sends one fused buffer per peer: `pack` gathers every slice bound for that peer (each a
+view of some tensor, any strides, up to 4 dims after merging) into one buffer, with an optional
+fused cast (bf16 compute weights out of fp32 masters, say); `unpack` scatters a received buffer into
+the destination views, casting to each target's dtype, or adding into them (`accumulate=True`, the
+fused accumulate for gradient buffers).
+
+**Triton kernel.** One launch per call handles every slice (one per distinct element type of the
+slices' tensors when they differ, since a pointer's element type is compile-time). Slices may come
+from different tensors, so the kernel reads a descriptor table, one int64 row per slice: the
+address of the slice's first element (its `data_ptr`, turned into a typed pointer in the kernel),
+its sizes and strides padded to 4 dims, its offset in the buffer and its first block. The grid is
+every slice's blocks of `BLOCK` elements back to back; a small int32 table maps a block to its
+slice. Each program unravels its elements into 4-D indices, loads (from the strided view or the
+buffer), casts, and stores (adding first when accumulating).
+
+**Torch fallback.** The same API with `copy_` per slice; results are bit-identical to the kernel:
+a cast is one rounding (to nearest even) in both, and an accumulate is `(target + piece)` computed
+in `torch.promote_types(target, buffer, float32)` and rounded once to the target's dtype.
+
+**Backend.** `backend="auto"` runs Triton on CUDA tensors and torch on CPU, except that with
+`TRITON_INTERPRET=1` in the environment at import time Triton runs on CPU tensors through its
+interpreter (how the tests exercise the kernel; it is slow). `HOTSWITCH_PACK_BACKEND=torch|triton`
+overrides what "auto" picks; `backend="triton"|"torch"` forces one per call.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # triton ships for Linux only
+    HAS_TRITON = False
+
+__all__ = ["BACKENDS", "HAS_TRITON", "INTERPRET", "pack", "packed_numel", "unpack"]
+
+BACKENDS = ("auto", "triton", "torch")
+# Read once: the interpreter has to be chosen before the kernels below are defined.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+BLOCK = 1024
+MAX_DIMS = 4
+_NCOL = 11  # descriptor row: address, 4 sizes, 4 strides, buffer offset, first block
+
+SliceSpec = tuple[torch.Tensor, tuple[slice, ...]]
+
+
+# ---------------------------------------------------------------- kernels
+
+if HAS_TRITON:
+    _TL_DTYPES = {
+        torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16,
+        torch.float64: tl.float64, torch.int8: tl.int8, torch.uint8: tl.uint8, torch.int16: tl.int16,
+        torch.int32: tl.int32, torch.int64: tl.int64,
+    }
+
+    @triton.jit
+    def _element_offsets(desc, block_slice, BLOCK: tl.constexpr, NCOL: tl.constexpr):
+        """This program's slice row, element indices within the slice, their mask and strided offsets."""
+        pid = tl.program_id(0)
+        row = desc + tl.load(block_slice + pid).to(tl.int64) * NCOL
+        s0 = tl.load(row + 1)
+        s1 = tl.load(row + 2)
+        s2 = tl.load(row + 3)
+        s3 = tl.load(row + 4)
+        first = tl.load(row + 10)
+        e = (pid - first) * BLOCK + tl.arange(0, BLOCK)
+        mask = e < s0 * s1 * s2 * s3
+        i3 = e % s3
+        r = e // s3
+        i2 = r % s2
+        r = r // s2
+        i1 = r % s1
+        i0 = r // s1
+        strided = i0 * tl.load(row + 5) + i1 * tl.load(row + 6) + i2 * tl.load(row + 7) + i3 * tl.load(row + 8)
+        return row, e, mask, strided
+
+    @triton.jit
+    def _pack_kernel(desc, block_slice, out, SRC: tl.constexpr, BLOCK: tl.constexpr, NCOL: tl.constexpr):
+        row, e, mask, strided = _element_offsets(desc, block_slice, BLOCK, NCOL)
+        src = tl.load(row).to(tl.pointer_type(SRC), bitcast=True)
+        x = tl.load(src + strided, mask=mask)
+        tl.store(out + tl.load(row + 9) + e, x.to(out.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _unpack_kernel(
+        desc, block_slice, buf, DST: tl.constexpr, ACCUMULATE: tl.constexpr, COMPUTE: tl.constexpr,
+        BLOCK: tl.constexpr, NCOL: tl.constexpr,
+    ):
+        row, e, mask, strided = _element_offsets(desc, block_slice, BLOCK, NCOL)
+        dst = tl.load(row).to(tl.pointer_type(DST), bitcast=True) + strided
+        x = tl.load(buf + tl.load(row + 9) + e, mask=mask)
+        if ACCUMULATE:
+            x = tl.load(dst, mask=mask).to(COMPUTE) + x.to(COMPUTE)
+        tl.store(dst, x.to(DST), mask=mask)
+
+
+# ---------------------------------------------------------------- host side
+
+
+def _view(spec: SliceSpec, what: str, i: int) -> torch.Tensor:
+    try:
+        tensor, index = spec
+    except (TypeError, ValueError):
+        raise ValueError(f"{what}[{i}] must be a (tensor, tuple of slices) pair, got {spec!r}") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{what}[{i}] must start with a torch.Tensor, got {type(tensor).__name__}")
+    view = tensor[tuple(index)]
+    if view.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr():
+        raise ValueError(f"{what}[{i}]: index {index!r} does not give a view; use slices (start:stop:step)")
+    return view
+
+
+def _dims(view: torch.Tensor, what: str, i: int) -> tuple[list[int], list[int]]:
+    """Sizes and strides of `view` with size-1 dims dropped, mergeable dims merged, padded to 4 dims."""
+    sizes: list[int] = []
+    strides: list[int] = []
+    for size, stride in zip(view.shape, view.stride()):
+        if size == 1:
+            continue
+        if sizes and strides[-1] == stride * size:
+            sizes[-1] *= size
+            strides[-1] = stride
+        else:
+            sizes.append(size)
+            strides.append(stride)
+    if len(sizes) > MAX_DIMS:
+        raise ValueError(
+            f"{what}[{i}] is a view of shape {tuple(view.shape)} and strides {view.stride()} that stays "
+            f"{len(sizes)}-dimensional after merging; the kernel handles {MAX_DIMS} dims: split it into "
+            "several slices"
+        )
+    pad = MAX_DIMS - len(sizes)
+    return [1] * pad + sizes, [0] * pad + strides
+
+
+def _choose(backend: str, device: torch.device) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = os.environ.get("HOTSWITCH_PACK_BACKEND", "").strip() or "auto"
+        if backend not in BACKENDS:
+            raise ValueError(f"HOTSWITCH_PACK_BACKEND must be 'torch' or 'triton', got {backend!r}")
+    if backend == "auto":
+        use = HAS_TRITON and (device.type == "cuda" or (INTERPRET and device.type == "cpu"))
+        return "triton" if use else "torch"
+    if backend == "triton":
+        if not HAS_TRITON:
+            raise ValueError("backend='triton' but triton is not installed; use backend='torch'")
+        if device.type == "cpu" and not INTERPRET:
+            raise ValueError(
+                "backend='triton' on CPU tensors needs the Triton interpreter: set TRITON_INTERPRET=1 before "
+                "importing kernels, or use backend='torch'"
+            )
+    return backend
+
+
+def _same_device(views: list[torch.Tensor], device: torch.device, what: str) -> None:
+    for i, v in enumerate(views):
+        if v.device != device:
+            raise ValueError(f"{what}[{i}] is on {v.device} but the buffer is on {device}; keep them on one device")
+
+
+def _launch(kernel, views: list[torch.Tensor], offsets: list[int], what: str, buffer: torch.Tensor, **meta) -> None:
+    """One launch over `views` (all of one dtype); view i sits at `offsets[i]` in `buffer`."""
+    rows, blocks = [], []
+    first = 0
+    for i, (v, offset) in enumerate(zip(views, offsets)):
+        n = v.numel()
+        if n:
+            sizes, strides = _dims(v, what, i)
+            count = -(-n // BLOCK)
+            rows.append([v.data_ptr(), *sizes, *strides, offset, first])
+            blocks.append(count)
+            first += count
+    if not rows:
+        return
+    desc = torch.tensor(rows, dtype=torch.int64)
+    block_slice = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(blocks))
+    if buffer.device.type != "cpu":
+        desc = desc.to(buffer.device, non_blocking=True)
+        block_slice = block_slice.to(buffer.device, non_blocking=True)
+    kernel[(first,)](desc, block_slice, buffer, BLOCK=BLOCK, NCOL=_NCOL, **meta)
+
+
+def _by_dtype(views: list[torch.Tensor]) -> dict[torch.dtype, tuple[list[torch.Tensor], list[int]]]:
+    """Views grouped by dtype (first-seen order), each with its offset in the packed buffer."""
+    groups: dict[torch.dtype, tuple[list[torch.Tensor], list[int]]] = {}
+    offset = 0
+    for v in views:
+        group = groups.setdefault(v.dtype, ([], []))
+        group[0].append(v)
+        group[1].append(offset)
+        offset += v.numel()
+    return groups
+
+
+def _tl(dtype: torch.dtype):
+    try:
+        return _TL_DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"the Triton pack kernels do not handle {dtype}; use backend='torch'") from None
+
+
+def packed_numel(slices: Sequence[SliceSpec]) -> int:
+    """Elements `pack(slices)` produces."""
+    return sum(_view(s, "slices", i).numel() for i, s in enumerate(slices))
+
+
+def pack(
+    slices: Sequence[SliceSpec],
+    out: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Copy the sub-blocks `tensor[slices]` one after another into one contiguous 1-D buffer.
+
+    The buffer's dtype is `dtype`, else `out.dtype`, else the tensors' common dtype (each piece is
+    cast on the way). `out`, if given, must be a contiguous 1-D tensor of exactly the packed size.
+    """
+    views = [_view(s, "slices", i) for i, s in enumerate(slices)]
+    total = sum(v.numel() for v in views)
+    if out is not None:
+        if dtype is not None and dtype != out.dtype:
+            raise ValueError(f"pack got dtype={dtype} but out has dtype {out.dtype}; give one or make them agree")
+        if out.dim() != 1 or not out.is_contiguous() or out.numel() != total:
+            raise ValueError(
+                f"pack's out must be a contiguous 1-D tensor of {total} elements, got shape "
+                f"{tuple(out.shape)} (contiguous={out.is_contiguous()})"
+            )
+        dtype = out.dtype
+    elif dtype is None:
+        dtypes = {v.dtype for v in views}
+        if len(dtypes) > 1:
+            raise ValueError(f"pack's slices have dtypes {sorted(map(str, dtypes))}; pass dtype= for the buffer")
+        dtype = dtypes.pop() if dtypes else torch.float32
+    device = out.device if out is not None else (views[0].device if views else torch.device("cpu"))
+    _same_device(views, device, "slices")
+    if out is None:
+        out = torch.empty(total, dtype=dtype, device=device)
+    if _choose(backend, device) == "torch":
+        offset = 0
+        for v in views:
+            n = v.numel()
+            out[offset:offset + n].view(v.shape).copy_(v)
+            offset += n
+        return out
+    _tl(dtype)
+    for src_dtype, (group, offsets) in _by_dtype(views).items():  # one launch per source element type
+        _launch(_pack_kernel, group, offsets, "slices", out, SRC=_tl(src_dtype))
+    return out
+
+
+def _compute_dtype(target: torch.dtype, buf: torch.dtype) -> torch.dtype:
+    promoted = torch.promote_types(target, buf)
+    return torch.promote_types(promoted, torch.float32) if promoted.is_floating_point else promoted
+
+
+def unpack(
+    buf: torch.Tensor,
+    targets: Sequence[SliceSpec],
+    accumulate: bool = False,
+    backend: str = "auto",
+) -> None:
+    """Write consecutive pieces of the 1-D `buf` into the views `tensor[slices]` of `targets`, in place.
+
+    Each piece is cast to its target's dtype; with `accumulate=True` it is added to the target
+    instead (in `promote_types(target, buf, float32)`, rounded once). Targets must not overlap.
+    """
+    if not isinstance(buf, torch.Tensor) or buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError(f"unpack's buf must be a contiguous 1-D tensor, got {getattr(buf, 'shape', buf)!r}")
+    views = [_view(s, "targets", i) for i, s in enumerate(targets)]
+    total = sum(v.numel() for v in views)
+    if total != buf.numel():
+        raise ValueError(f"unpack's targets hold {total} elements but buf has {buf.numel()}; they must match")
+    _same_device(views, buf.device, "targets")
+    if _choose(backend, buf.device) == "torch":
+        offset = 0
+        for v in views:
+            n = v.numel()
+            piece = buf[offset:offset + n].view(v.shape)
+            if accumulate:
+                compute = _compute_dtype(v.dtype, buf.dtype)
+                v.copy_(v.to(compute) + piece.to(compute))
+            else:
+                v.copy_(piece)
+            offset += n
+        return
+    _tl(buf.dtype)
+    for dst_dtype, (group, offsets) in _by_dtype(views).items():  # one launch per target element type
+        meta = {"DST": _tl(dst_dtype), "ACCUMULATE": bool(accumulate),
+                "COMPUTE": _tl(_compute_dtype(dst_dtype, buf.dtype))}
+        _launch(_unpack_kernel, group, offsets, "targets", buf, **meta)

@@ -1,0 +1,193 @@
+"""pack / unpack: Triton (through the interpreter on CPU) against the torch fallback, bit for bit.
+
+bf16 and the bandwidth check need a GPU (the interpreter gives bf16 garbage) and are skipped without one.
+"""
+
+import time
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from kernels import HAS_TRITON, INTERPRET, pack, packed_numel, unpack
+
+needs_interpreter = pytest.mark.skipif(
+    not (HAS_TRITON and INTERPRET), reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (tests/conftest.py sets it)"
+)
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+FLOATS = (torch.float32, torch.float16)
+
+
+def reference_pack(slices, dtype):
+    return torch.cat([t[s].reshape(-1).to(dtype) for t, s in slices]) if slices else torch.empty(0, dtype=dtype)
+
+
+@st.composite
+def sliced_tensors(draw, dtypes=FLOATS):
+    """A tensor (maybe a transposed/permuted view: non-contiguous) and a tuple of strided slices."""
+    ndim = draw(st.integers(1, 4))
+    shape = [draw(st.integers(1, 6)) for _ in range(ndim)]
+    dtype = draw(st.sampled_from(dtypes))
+    seed = draw(st.integers(0, 2**31 - 1))
+    base = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    perm = draw(st.permutations(range(ndim)))
+    tensor = base.permute(*perm)
+    index = []
+    for n in tensor.shape:
+        start = draw(st.integers(0, n))
+        stop = draw(st.integers(start, n))
+        index.append(slice(start, stop, draw(st.integers(1, 3))))
+    return tensor, tuple(index)
+
+
+# ---------------------------------------------------------------- triton == torch == reference
+
+
+@needs_interpreter
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(sliced_tensors(), min_size=1, max_size=4), st.sampled_from(FLOATS))
+def test_pack_matches_torch_bit_exact(slices, dtype):
+    want = reference_pack(slices, dtype)
+    got = pack(slices, dtype=dtype, backend="triton")
+    fallback = pack(slices, dtype=dtype, backend="torch")
+    assert got.dtype == dtype and got.shape == (packed_numel(slices),)
+    assert torch.equal(got.view(torch.int16 if dtype == torch.float16 else torch.int32),
+                       want.view(torch.int16 if dtype == torch.float16 else torch.int32))
+    assert torch.equal(fallback, want)
+
+
+@needs_interpreter
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(sliced_tensors(), min_size=1, max_size=4), st.sampled_from(FLOATS), st.booleans())
+def test_unpack_matches_torch_bit_exact(slices, buf_dtype, accumulate):
+    buf = reference_pack(slices, buf_dtype)
+    results = {}
+    for backend in ("triton", "torch"):
+        # targets: fresh tensors shaped like each source (same strides pattern: permuted views), prefilled
+        targets = []
+        for t, s in slices:
+            target = torch.linspace(-3, 3, t.numel()).reshape(t.shape).to(t.dtype)
+            targets.append((target, s))
+        unpack(buf, targets, accumulate=accumulate, backend=backend)
+        results[backend] = [t for t, _ in targets]
+    for a, b, (t, s) in zip(results["triton"], results["torch"], slices):
+        assert torch.equal(a, b)
+        untouched = torch.ones_like(a, dtype=torch.bool)
+        untouched[s] = False
+        fresh = torch.linspace(-3, 3, t.numel()).reshape(t.shape).to(t.dtype)
+        assert torch.equal(a[untouched], fresh[untouched])  # outside the slice nothing changed
+    if not accumulate:  # the written region holds the (cast) source
+        offset = 0
+        for a, (t, s) in zip(results["torch"], slices):
+            n = t[s].numel()
+            assert torch.equal(a[s].reshape(-1), buf[offset:offset + n].to(t.dtype))
+            offset += n
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_round_trip_with_casts(backend):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 6, generator=g)
+    grads = torch.randn(6, 8, generator=g).t()  # non-contiguous
+    slices = [(w, (slice(2, 6), slice(1, 5))), (grads, (slice(0, 8, 3), slice(None))), (w, (slice(0, 0), slice(None)))]
+    half = pack(slices, dtype=torch.float16, backend=backend)  # fused fp32 -> fp16
+    assert torch.equal(half, reference_pack(slices, torch.float16))
+    w2, g2 = torch.zeros_like(w), torch.zeros(6, 8).t()
+    unpack(half, [(w2, slices[0][1]), (g2, slices[1][1]), (w2, slices[2][1])], backend=backend)  # fp16 -> fp32
+    assert torch.equal(w2[2:6, 1:5], w[2:6, 1:5].half().float())
+    assert torch.equal(g2[0:8:3], grads[0:8:3].half().float())
+    assert w2.sum() == w2[2:6, 1:5].sum()  # nothing else written
+    # fused accumulate: gradient buffers add what arrives
+    unpack(half, [(w2, slices[0][1]), (g2, slices[1][1]), (w2, slices[2][1])], accumulate=True, backend=backend)
+    assert torch.equal(w2[2:6, 1:5], w[2:6, 1:5].half().float() * 2)
+
+
+@needs_interpreter
+def test_empty_and_out_and_merged_dims():
+    a = torch.arange(2 * 3 * 2 * 2 * 3, dtype=torch.float32).reshape(2, 3, 2, 2, 3)
+    # 5 dims that merge into one (a contiguous block) are fine; empty slices contribute nothing
+    slices = [(a, ()), (a, (slice(1, 1),)), (a[0, 0], (slice(None), slice(None), slice(0, 3, 2)))]
+    out = torch.full((packed_numel(slices),), -1.0)
+    assert pack(slices, out=out, backend="triton") is out
+    assert torch.equal(out, reference_pack(slices, torch.float32))
+    assert pack([], backend="triton").numel() == 0
+    unpack(torch.empty(0), [], backend="triton")
+    scalar = torch.tensor(3.5)
+    assert torch.equal(pack([(scalar, ())], backend="triton"), torch.tensor([3.5]))
+    # 5 dims that stay 5 dims: too many for the kernel
+    b = torch.zeros(3, 3, 3, 3, 3)
+    with pytest.raises(ValueError, match="split it into"):
+        pack([(b, (slice(None, None, 2),) * 5)], backend="triton")
+
+
+def test_errors():
+    a = torch.zeros(4)
+    with pytest.raises(ValueError, match="pass dtype="):
+        pack([(a, (slice(0, 2),)), (a.half(), (slice(0, 2),))], backend="torch")
+    with pytest.raises(ValueError, match="contiguous 1-D tensor of 2 elements"):
+        pack([(a, (slice(0, 2),))], out=torch.zeros(3), backend="torch")
+    with pytest.raises(ValueError, match="must match"):
+        unpack(torch.zeros(3), [(a, (slice(0, 2),))], backend="torch")
+    with pytest.raises(ValueError, match="backend must be"):
+        pack([(a, ())], backend="cuda")
+    with pytest.raises(ValueError, match="does not give a view"):
+        pack([(a, ([0, 2],))], backend="torch")
+    with pytest.raises(ValueError, match=r"\(tensor, tuple of slices\) pair"):
+        pack([a], backend="torch")
+
+
+def test_auto_backend_on_cpu_matches():
+    a = torch.randn(5, 5)
+    slices = [(a.t(), (slice(1, 4), slice(0, 5, 2)))]
+    assert torch.equal(pack(slices), reference_pack(slices, torch.float32))
+
+
+# ---------------------------------------------------------------- GPU only
+
+
+@needs_cuda
+@pytest.mark.skipif(INTERPRET, reason="run with TRITON_INTERPRET=0 to compile the kernels for the GPU")
+def test_gpu_bf16_and_bandwidth():
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    # bf16 cast and accumulate against the torch fallback
+    w = torch.randn(512, 384, device=dev, generator=g)
+    slices = [(w, (slice(0, 256), slice(0, 384, 3))), (w.t(), (slice(10, 200), slice(None)))]
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert torch.equal(pack(slices, dtype=dtype, backend="triton"), pack(slices, dtype=dtype, backend="torch"))
+    buf = pack(slices, dtype=torch.bfloat16, backend="triton")
+    outs = {}
+    for backend in ("triton", "torch"):
+        t = torch.ones(512, 384, device=dev, dtype=torch.bfloat16)
+        unpack(buf, [(t, slices[0][1]), (t.t(), slices[1][1])], accumulate=True, backend=backend)
+        outs[backend] = t
+    assert torch.equal(outs["triton"], outs["torch"])
+
+    # bandwidth: 64 row blocks of a [16384, 8192] bf16 weight (a TP re-shard's column halves)
+    big = torch.randn(16384, 8192, device=dev, dtype=torch.bfloat16)
+    slices = [(big, (slice(i * 256, (i + 1) * 256), slice(0, 4096))) for i in range(64)]
+    n = packed_numel(slices)
+    out = torch.empty(n, device=dev, dtype=torch.bfloat16)
+    for backend in ("triton", "torch"):
+        pack(slices, out=out, backend=backend)
+        torch.cuda.synchronize()
+        reps = 20
+        start = time.perf_counter()
+        for _ in range(reps):
+            pack(slices, out=out, backend=backend)
+        torch.cuda.synchronize()
+        seconds = (time.perf_counter() - start) / reps
+        moved = 2 * n * out.element_size()  # read + write
+        peak = _peak_bandwidth()
+        print(f"\npack {backend}: {n * 2 / 1e6:.0f} MB in {seconds * 1e3:.3f} ms = {moved / seconds / 1e9:.0f} GB/s"
+              + (f" ({moved / seconds / peak:.0%} of {peak / 1e9:.0f} GB/s peak)" if peak else ""))
+    assert torch.equal(out, reference_pack(slices, torch.bfloat16))
+
+
+def _peak_bandwidth() -> float:
+    """DRAM peak in bytes/s from the device properties (bus width x memory clock x 2, DDR), 0 if unknown."""
+    props = torch.cuda.get_device_properties(0)
+    clock = getattr(props, "memory_clock_rate", 0)  # kHz
+    width = getattr(props, "memory_bus_width", 0)  # bits
+    return 2 * clock * 1e3 * width / 8 if clock and width else 0.0
