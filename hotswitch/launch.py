@@ -1,0 +1,192 @@
+"""Run a function on `world_size` local processes with a process group: `launch(fn, 4, *args)`.
+
+Each process gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
+OMP_NUM_THREADS=1 (and HOTSWITCH_DEVICES_PER_NODE when `devices_per_node` is given) before its
+interpreter starts, joins the default process group, calls `fn(rank, *args)` and leaves the group.
+`launch` returns rank 0's return value; a rank that raises has its traceback re-raised here, naming
+the rank, and the other ranks are stopped. `fn` and `args` must be picklable (`fn` at module level).
+
+Under torchrun (RANK and WORLD_SIZE already set) or inside an initialized process group, `launch`
+runs `fn` in this process only and returns its value.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.util
+import datetime
+import math
+import os
+import pickle
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing import connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["LaunchError", "launch"]
+
+_GRACE_S = 2.0  # after a rank fails, how long to wait for the others' reports
+
+
+class LaunchError(RuntimeError):
+    """A rank failed: `rank` is the first one that did, the message holds its traceback."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(message)
+        self.rank = rank
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node: int | None = None,
+           backend: str = "gloo", timeout: float | None = None) -> Any:
+    """Call `fn(rank, *args)` on `world_size` processes in one process group; return rank 0's value.
+
+    `timeout` (seconds) bounds the whole run and every collective; None waits forever.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if devices_per_node is not None and (devices_per_node < 1 or world_size % devices_per_node):
+        raise ValueError(f"devices_per_node={devices_per_node} must be positive and divide world_size={world_size}")
+    if dist.is_initialized() or ("RANK" in os.environ and "WORLD_SIZE" in os.environ):
+        running = dist.get_world_size() if dist.is_initialized() else int(os.environ["WORLD_SIZE"])
+        if running != world_size:
+            raise ValueError(f"launch(world_size={world_size}) inside a job of {running} processes "
+                             f"(torchrun or an initialized process group): pass world_size={running}")
+        return _run_in_process(fn, args, backend, timeout)
+
+    per_node = devices_per_node or world_size
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: no port race
+    ctx = mp.get_context("spawn")
+    procs, readers = [], {}
+    try:
+        for rank in range(world_size):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % per_node),
+                   "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                   "OMP_NUM_THREADS": "1"}
+            if devices_per_node is not None:
+                env["HOTSWITCH_DEVICES_PER_NODE"] = str(devices_per_node)
+            reader, writer = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_worker, args=(fn, args, rank, world_size, store.port, backend, timeout, writer),
+                            name=f"hotswitch-rank{rank}")
+            with _environ(env):  # a spawned child copies os.environ: set it before its torch import
+                p.start()
+            writer.close()
+            procs.append(p)
+            readers[reader] = rank
+        return _collect(procs, readers, timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for r in readers:
+            r.close()
+        del store
+
+
+def _collect(procs, readers, timeout):
+    """Wait for every rank's (ok, payload, when) message; raise for the rank that failed first.
+
+    A failure takes its peers down with it (their collectives error out or hang), so after the
+    first failure we wait a moment for the others' reports and blame the earliest exception.
+    """
+    results: dict[int, Any] = {}
+    failures: list[tuple[tuple[bool, float], int, str]] = []  # ((is an echo, time), rank, message)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pending = dict(readers)
+    first_failure_at = None
+    while pending:
+        if failures:
+            # Wait briefly for the other reports; longer while only echoes have arrived.
+            only_echoes = all(echo for (echo, _), _, _ in failures)
+            deadline = min(deadline or math.inf, first_failure_at + _GRACE_S * (5 if only_echoes else 1))
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = connection.wait(list(pending), timeout=left)
+        if not ready:
+            if failures:
+                break
+            raise LaunchError(-1, f"launch timed out after {timeout} s; ranks without a result: {sorted(pending.values())}")
+        for reader in ready:
+            rank = pending.pop(reader)
+            try:
+                ok, payload, when = reader.recv()
+            except (EOFError, OSError):
+                procs[rank].join(timeout=5)
+                failures.append(((False, time.monotonic()), rank, f"rank {rank} exited with code {procs[rank].exitcode} "
+                                 "without a result (see its output above)"))
+                continue
+            if ok:
+                results[rank] = pickle.loads(payload) if rank == 0 else None
+            else:
+                failures.append((when, rank, f"rank {rank} failed:\n{payload}"))
+        if failures and first_failure_at is None:
+            first_failure_at = time.monotonic()
+        failures.sort()
+    if failures:
+        for p in procs:  # the others may be stuck in a collective with the failed rank
+            if p.is_alive():
+                p.kill()
+        _, rank, message = failures[0]
+        others = sorted(r for _, r, _ in failures[1:])
+        if others:
+            message += f"\n(rank(s) {others} failed after it)"
+        raise LaunchError(rank, message)
+    return results[0]
+
+
+def _worker(fn, args, rank, world_size, port, backend, timeout, results) -> None:
+    ok, payload, when = False, None, (False, 0.0)
+    try:
+        torch.set_num_threads(1)
+        pg_timeout = datetime.timedelta(seconds=timeout) if timeout else None
+        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+                              timeout=pg_timeout or datetime.timedelta(minutes=30))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+        value = fn(rank, *args)
+        payload = pickle.dumps(value) if rank == 0 else None
+        ok = True
+    except BaseException as e:
+        # A peer's communication error is usually the echo of another rank's failure: rank it after
+        # every original exception (CLOCK_MONOTONIC is comparable across processes on one machine).
+        echo = isinstance(e, dist.DistError) or "gloo" in str(e).lower()
+        when = (echo, time.monotonic())
+        payload = traceback.format_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    results.send((ok, payload, when))  # before leaving the group, whose teardown fails the peers
+    results.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    multiprocessing.util._run_finalizers(0)  # what exit would run: unregister semaphores made here
+    os._exit(0 if ok else 1)  # skip interpreter teardown: about a second of CPU per process with torch
+
+
+def _run_in_process(fn, args, backend, timeout):
+    rank = int(os.environ.get("RANK", "0"))
+    if dist.is_initialized():
+        return fn(dist.get_rank(), *args)
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+    dist.init_process_group(backend, **kwargs)
+    try:
+        return fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]):
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
