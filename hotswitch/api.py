@@ -19,7 +19,11 @@ from compiler import _dtensor as dt
 from compiler.lower import OutputPlan, lower, propagate_graph
 from compiler.tp_rules import VIEW_OPS, TPRoles, heads_of, infer_tp_roles
 from compiler.trace import LogicGraph, trace
-from distconfig import DistConfig
+from distconfig import DistConfig, Layout, Mesh, Topology, from_torch
+
+from .executor import SwitchStats, execute_plan
+from .order import OrderPlan, plan_order
+from .planner import PlanCache, SwitchPlan, TensorMove
 
 
 @dataclass
@@ -34,6 +38,10 @@ class ConfigState:
     forward_graphs: dict[tuple, fx.GraphModule] = field(default_factory=dict)
     compile_seconds: dict[tuple, float] = field(default_factory=dict)
     last_shapes: tuple | None = None
+    layouts: dict | None = None  # parameter name -> distconfig Layout, built on first use
+
+
+_GRAD = "grad:"  # prefix naming a parameter's gradient in switch plans
 
 
 def _mesh_axes(config: DistConfig) -> tuple[list[str], list[int]]:
@@ -42,7 +50,8 @@ def _mesh_axes(config: DistConfig) -> tuple[list[str], list[int]]:
 
 
 class CompiledModel:
-    def __init__(self, model: torch.nn.Module, example_inputs, configs, *, strict: bool = True):
+    def __init__(self, model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
+                 topology: Topology | None = None, lazy: bool = False):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU), on every rank")
@@ -61,6 +70,9 @@ class CompiledModel:
                 raise ValueError(f"config {c.name!r} uses {c.world_size} of the {self.world_size} processes; "
                                  f"every config must use all of them (set dp*tp = {self.world_size})")
         self.strict = strict
+        self.topology = topology or Topology.from_env(self.world_size)
+        self._plans = PlanCache()
+        self.last_switch: SwitchStats | None = None
         self._configs = tuple(configs)
         self._example_inputs = tuple(example_inputs)
         self.logic: LogicGraph = trace(model, self._example_inputs)
@@ -76,7 +88,7 @@ class CompiledModel:
         self._grads: dict[str, torch.Tensor] | None = None
         self._global_shapes: dict[tuple, tuple] = {}
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
-        for c in configs:
+        for c in configs if not lazy else ():
             self._train_graph(self._states[c.name], shapes)
         self._activate(configs[0].name, self._full_params)
         del self._full_params
@@ -96,14 +108,45 @@ class CompiledModel:
         shapes = shapes or st.last_shapes or tuple(tuple(x.shape) for x in self._example_inputs)
         return self._train_graph(st, tuple(tuple(s) for s in shapes))
 
-    def switch(self, name: str) -> None:
-        """Activate config `name`: parameters and gradients move to its layout (by gathering)."""
+    def switch(self, name: str, algorithm: str = "greedy") -> SwitchStats:
+        """Activate config `name`: weights (and accumulated gradients) move to its layout by the
+        cached plan. Atomic: on any failure every rank stays in the previous config."""
         st = self._state(name)
         if name == self._active:
-            return
-        full = self.full_state_dict(canonical=True)
-        grads = self._full(self._grads) if self._grads is not None else None
-        self._activate(st.config.name, full, grads)
+            return SwitchStats(name, name, algorithm, 0.0, 0, 0)
+        t0 = time.perf_counter()
+        with_grads = self._grads is not None
+        plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads=with_grads)
+        old = dict(self._local)
+        if with_grads:
+            old.update({_GRAD + n: g for n, g in self._grads.items()})
+        src, dst = self._layouts(self._active, with_grads), self._layouts(name, with_grads)
+        new, sent, received = execute_plan(plan, old, src, dst, self.rank)
+        self._local = {n: new[n] for n in self.logic.param_names}
+        self._grads = {n: new[_GRAD + n] for n in self.logic.param_names} if with_grads else None
+        self.last_switch = SwitchStats(self._active, st.config.name, algorithm, time.perf_counter() - t0, sent, received)
+        self._active = name
+        return self.last_switch
+
+    def plan_switch(self, source: str, destination: str, algorithm: str = "greedy",
+                    with_grads: bool = False) -> SwitchPlan:
+        """The plan moving weights (and gradients) from one config's layout to another's. Pure: no
+        communication; every rank computes the same plan; cached per (source, destination)."""
+        self._state(source), self._state(destination)
+
+        def moves():
+            src, dst = self._layouts(source, with_grads), self._layouts(destination, with_grads)
+            return [TensorMove(n, tuple(src[n].global_shape), self._dtype(n).itemsize, src[n], dst[n]) for n in src]
+
+        return self._plans.get((source, with_grads), (destination, with_grads), moves, self.topology, algorithm)
+
+    def plan_order(self, names, base: str | None = None) -> OrderPlan:
+        """The cheapest cycle through `names` (from and back to `base`, default the first), priced by
+        the plans' estimated seconds; the first switch of a step moves weights only."""
+        for n in names:
+            self._state(n)
+        return plan_order(list(names), lambda a, b, first: self.plan_switch(a, b, with_grads=not first).estimated_seconds,
+                          base=base)
 
     def shard_inputs(self, *global_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's part of a global batch: batch dim 0 split over the data-parallel axis (torch.chunk)."""
@@ -208,6 +251,20 @@ class CompiledModel:
                 return tuple(placements)  # GQA with tp > kv heads: kv projections replicated, as Megatron does
             placements[axis["tp"]] = dt.Shard(dim)
         return tuple(placements)
+
+    def _dtype(self, name: str) -> torch.dtype:
+        return self.logic.param_dtypes[name.removeprefix(_GRAD)]
+
+    def _layouts(self, name: str, with_grads: bool = False) -> dict[str, Layout]:
+        """distconfig Layouts of every parameter (and gradient) under config `name`."""
+        st = self._states[name]
+        if st.layouts is None:
+            mesh = Mesh(st.mesh.mesh.tolist(), tuple(st.mesh.mesh_dim_names))
+            st.layouts = {n: Layout(tuple(self.logic.param_shapes[n]), mesh, tuple(from_torch(p) for p in st.param_specs[n]))
+                          for n in self.logic.param_names}
+        if not with_grads:
+            return st.layouts
+        return {**st.layouts, **{_GRAD + n: layout for n, layout in st.layouts.items()}}
 
     def _coordinate(self, st: ConfigState, axis_name: str) -> int:
         if axis_name not in st.axis:
@@ -339,10 +396,12 @@ def _seq_symbol(graph: fx.Graph, num_inputs: int):
     return None
 
 
-def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True) -> CompiledModel:
+def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
+            topology: Topology | None = None, lazy: bool = False) -> CompiledModel:
     """Trace `model` (forward returns a scalar mean loss) once and compile it for every config.
 
     Call on every rank after `dist.init_process_group`, with identical weights on every rank. The
-    example inputs are a *global* batch; the first config is active afterwards.
+    example inputs are a *global* batch; the first config is active afterwards. `lazy=True` lowers
+    each config's ExecGraph on its first use instead of now (switching needs only the layouts).
     """
-    return CompiledModel(model, example_inputs, configs, strict=strict)
+    return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy)

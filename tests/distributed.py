@@ -444,17 +444,20 @@ def _worker(
         secs = time.perf_counter() - t
         results.send(("result", rank, i, st, payload, err, secs))
 
-        # Barrier on the store. Each rank publishes whether its group may be broken and its
-        # collective count; if any rank says broken or the counts differ, all ranks rebuild.
+        # Barrier on the store. Each rank publishes whether its group may be broken, whether its
+        # check failed, and its collective count; all ranks rebuild if any rank says broken, or if a
+        # check failed and the counts differ. (After a successful check differing counts are
+        # legitimate: point-to-point transfers advance them by different amounts on each rank.)
         if dist.is_initialized():
             seq = dist.distributed_c10d._get_default_group()._get_sequence_number_for_group()
         else:  # the check destroyed it
             pg_error, seq = True, -1
-        store.set(f"check{i}/rank{rank}", f"{int(pg_error)},{seq}")
+        store.set(f"check{i}/rank{rank}", f"{int(pg_error)},{seq},{int(st == 'fail')}")
         keys = [f"check{i}/rank{r}" for r in range(world_size)]
         store.wait(keys, datetime.timedelta(seconds=timeout))
         reports = [store.get(k).decode().split(",") for k in keys]
-        broken = any(flag == "1" for flag, _ in reports) or len({s for _, s in reports}) > 1
+        failed = any(f == "1" for _, _, f in reports)
+        broken = any(flag == "1" for flag, _, _ in reports) or (failed and len({s for _, s, _ in reports}) > 1)
         if broken and i + 1 < len(checks):
             generation += 1
             if dist.is_initialized():

@@ -1,0 +1,210 @@
+"""`hotswitch bench switch`: what every switch between configs costs, against baselines.
+
+For every ordered pair of configs, on `world_size` gloo processes posing as nodes of
+`devices_per_node`: each planner algorithm through the same executor (bytes moved, inter-node
+bytes, max per-device send, lower bound, estimated and measured seconds, median of `repeats`),
+and two outside baselines measured the same way: DTensor `redistribute` (pairs on one mesh) and a
+torch.distributed.checkpoint save + load that reshards on load (to /dev/shm when it exists).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+ALGORITHMS = ("greedy", "fcfs", "round_robin", "gather")
+DEFAULT_CONFIGS = ("dp=4", "dp=2,tp=2", "tp=4", "tp=4,sp")
+
+
+def _timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _dtensors(cm, name, mesh=None):
+    from torch.distributed.tensor import DTensor
+
+    st = cm._states[name]
+    mesh = mesh or st.mesh
+    local = cm.local_params if cm.active == name else None
+    assert local is not None
+    return {n: DTensor.from_local(local[n], mesh, st.param_specs[n], run_check=False,
+                                  shape=cm.logic.param_shapes[n], stride=torch.empty(cm.logic.param_shapes[n], device="meta").stride())
+            for n in cm.logic.param_names}
+
+
+def worker(rank: int, model_name: str, config_specs, repeats: int, batch: int, seq: int) -> dict | None:
+    import hotswitch as hs
+    from distconfig import DistConfig
+    from hotswitch.models import build_model
+
+    configs = [DistConfig.parse(s) for s in config_specs]
+    torch.manual_seed(0)
+    model = build_model(model_name)
+    ids = torch.randint(0, model.cfg.vocab_size, (batch, seq))
+    t0 = time.perf_counter()
+    cm = hs.compile(model, (ids, ids), configs=configs, lazy=True)
+    setup = time.perf_counter() - t0
+    n_params = sum(p.numel() for p in model.parameters())
+    rows = []
+    names = [c.name for c in configs]
+    for a in names:
+        for b in names:
+            if a == b:
+                continue
+            for algorithm in ALGORITHMS:
+                plan = cm.plan_switch(a, b, algorithm=algorithm)
+
+                def go(algorithm=algorithm):
+                    cm.switch(a, algorithm="greedy")
+                    dist.barrier()
+                    t = time.perf_counter()
+                    cm.switch(b, algorithm=algorithm)
+                    return time.perf_counter() - t
+
+                cm.switch(a)
+                cm.switch(b, algorithm=algorithm)  # warm-up: plan cached, buffers allocated once
+                seconds = statistics.median(_max_over_ranks(go()) for _ in range(repeats))
+                rows.append({"from": a, "to": b, "method": algorithm, "measured_seconds": seconds, **_plan_numbers(plan)})
+            rows += _baselines(cm, a, b, repeats)
+    if rank == 0:
+        return {"model": model_name, "parameters": n_params, "world_size": dist.get_world_size(),
+                "devices_per_node": cm.topology.devices_per_node, "setup_seconds": setup, "repeats": repeats, "rows": rows}
+    return None
+
+
+def _max_over_ranks(seconds: float) -> float:
+    t = torch.tensor([seconds])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _plan_numbers(plan) -> dict:
+    s = plan.summary()
+    return {k: s[k] for k in ("bytes_moved", "inter_node_bytes", "max_send_bytes", "lower_bound_bytes",
+                              "estimated_seconds", "lower_bound_seconds", "planning_seconds")}
+
+
+def _baselines(cm, a: str, b: str, repeats: int) -> list[dict]:
+    import torch.distributed.checkpoint as dcp
+
+    rows = []
+    sa, sb = cm._states[a], cm._states[b]
+    if sa.mesh.mesh.shape == sb.mesh.mesh.shape and torch.equal(sa.mesh.mesh, sb.mesh.mesh):
+        cm.switch(a)
+        src = _dtensors(cm, a, sb.mesh)
+
+        def redistribute():
+            for n, d in src.items():
+                d.redistribute(sb.mesh, sb.param_specs[n]).to_local()
+
+        rows.append({"from": a, "to": b, "method": "dtensor_redistribute", "measured_seconds": _timed(redistribute, repeats)})
+    cm.switch(a)
+    src = _dtensors(cm, a)
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        tmp_list = [tmp]
+        dist.broadcast_object_list(tmp_list, src=0)
+        path = os.path.join(tmp_list[0], f"{a}-{b}")
+
+        def save_and_load():
+            from torch.distributed.tensor import DTensor
+
+            dcp.save(src, checkpoint_id=path)
+            dst = {n: DTensor.from_local(torch.empty(_local_shape(sb, n, cm)), sb.mesh, sb.param_specs[n], run_check=False,
+                                         shape=cm.logic.param_shapes[n],
+                                         stride=torch.empty(cm.logic.param_shapes[n], device="meta").stride())
+                   for n in cm.logic.param_names}
+            dcp.load(dst, checkpoint_id=path)
+
+        rows.append({"from": a, "to": b, "method": "dcp_save_load", "measured_seconds": _timed(save_and_load, repeats)})
+        dist.barrier()
+    return rows
+
+
+def _local_shape(st, name, cm):
+    from compiler import _dtensor as dt
+
+    spec = dt.make_spec(st.mesh, st.param_specs[name], torch.empty(cm.logic.param_shapes[name], device="meta"))
+    return dt.local_shape(spec)
+
+
+def summarize(result: dict) -> dict:
+    """Per method: the sum over pairs of median seconds, and its ratio to greedy's."""
+    totals: dict[str, float] = {}
+    pairs_of: dict[str, set] = {}
+    for r in result["rows"]:
+        totals[r["method"]] = totals.get(r["method"], 0.0) + r["measured_seconds"]
+        pairs_of.setdefault(r["method"], set()).add((r["from"], r["to"]))
+    greedy = {(r["from"], r["to"]): r["measured_seconds"] for r in result["rows"] if r["method"] == "greedy"}
+    out = {}
+    for method, total in totals.items():
+        pairs = pairs_of[method]
+        greedy_same = sum(greedy[p] for p in pairs)
+        out[method] = {"pairs": len(pairs), "total_seconds": total, "greedy_over_method": greedy_same / total if total else None}
+    return out
+
+
+def format_table(result: dict) -> str:
+    lines = [f"model {result['model']} ({result['parameters'] / 1e6:.1f}M parameters), {result['world_size']} processes, "
+             f"{result['devices_per_node']} per node, median of {result['repeats']}",
+             f"{'from':>7} {'to':>7} {'method':>20} {'MB moved':>9} {'inter MB':>9} {'max send':>9} {'bound MB':>9} "
+             f"{'est ms':>8} {'meas ms':>8}"]
+    mb = lambda x: f"{x / 1e6:9.2f}" if x is not None else f"{'-':>9}"  # noqa: E731
+    for r in result["rows"]:
+        est = f"{r['estimated_seconds'] * 1e3:8.2f}" if "estimated_seconds" in r else f"{'-':>8}"
+        lines.append(f"{r['from']:>7} {r['to']:>7} {r['method']:>20} {mb(r.get('bytes_moved'))} {mb(r.get('inter_node_bytes'))} "
+                     f"{mb(r.get('max_send_bytes'))} {mb(r.get('lower_bound_bytes'))} {est} {r['measured_seconds'] * 1e3:8.2f}")
+    lines.append("")
+    lines.append("summed over the pairs each method covers (greedy / method: below 1 means greedy is faster):")
+    for method, s in summarize(result).items():
+        lines.append(f"  {method:>20}: {s['pairs']:2d} pairs, {s['total_seconds'] * 1e3:9.1f} ms, greedy/method = {s['greedy_over_method']:.2f}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pairs = sorted({(r["from"], r["to"]) for r in result["rows"]})
+    methods = list(dict.fromkeys(r["method"] for r in result["rows"]))
+    value = {(r["from"], r["to"], r["method"]): r["measured_seconds"] * 1e3 for r in result["rows"]}
+    fig, ax = plt.subplots(figsize=(max(8, len(pairs) * 0.9), 4.5))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        xs = [j + i * width for j, p in enumerate(pairs) if (*p, m) in value]
+        ys = [value[(*p, m)] for p in pairs if (*p, m) in value]
+        ax.bar(xs, ys, width, label=m)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(pairs))], [f"{a}\n→{b}" for a, b in pairs], fontsize=8)
+    ax.set_ylabel("switch time, ms (median)")
+    ax.set_title(f"hot switch of {result['model']} ({result['parameters'] / 1e6:.0f}M params), "
+                 f"{result['world_size']} gloo processes, {result['devices_per_node']} per node")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(world_size=4, devices_per_node=2, model="gpt2-23m", configs=DEFAULT_CONFIGS, repeats=5, batch=4, seq=64,
+        json_path=None, png_path=None) -> dict:
+    from .launch import launch
+
+    result = launch(worker, world_size, model, list(configs), repeats, batch, seq, devices_per_node=devices_per_node)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+    if png_path:
+        plot(result, png_path)
+    return result

@@ -1,0 +1,131 @@
+"""Executing a SwitchPlan on this rank: the only place besides ExecGraphs that communicates.
+
+HotSPa's execution, with an atomic commit:
+1. new storage for every tensor in the destination layout (the old tensors stay untouched);
+2. local copies; one packed send buffer per (peer, dtype), built by `kernels.pack` (identical
+   buffers are built once and sent to every peer that needs them); one receive buffer per peer;
+3. all ranks agree that preparation succeeded (one tiny all-reduce), then one `batch_isend_irecv`;
+4. received buffers are unpacked straight into the new storage (`kernels.unpack`);
+5. all ranks agree again, and only then does the caller commit. A failure anywhere before the
+   second agreement raises `SwitchAborted` on every rank, and the old state is still the state.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distconfig import Layout
+from kernels import pack, unpack
+
+from .planner import SwitchPlan, Transfer
+
+
+class SwitchAborted(RuntimeError):
+    """A switch failed on some rank before it committed; every rank still holds the old state."""
+
+
+@dataclass(frozen=True)
+class SwitchStats:
+    source: str
+    destination: str
+    algorithm: str
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+
+
+_FAULTS: dict[str, set[int] | None] = {}
+
+
+@contextlib.contextmanager
+def inject_fault(stage: str, ranks: set[int] | None = None) -> Iterator[None]:
+    """Testing hook: raise inside the executor at `stage` ('pack', 'unpack') on `ranks` (all if None)."""
+    _FAULTS[stage] = ranks
+    try:
+        yield
+    finally:
+        _FAULTS.pop(stage, None)
+
+
+def _maybe_fail(stage: str, rank: int) -> None:
+    if stage in _FAULTS and (_FAULTS[stage] is None or rank in _FAULTS[stage]):
+        raise RuntimeError(f"injected fault at {stage!r} on rank {rank}")
+
+
+def _agree(ok: bool, group) -> bool:
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _volume(t: Transfer) -> int:
+    n = 1
+    for a, b in t.box:
+        n *= b - a
+    return n
+
+
+def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, Layout], dst: dict[str, Layout],
+                 rank: int, group=None, backend: str = "auto") -> tuple[dict[str, torch.Tensor], int, int]:
+    """Move `old` (this rank's source shards) into new destination shards; returns (new, sent, received)."""
+    new: dict[str, torch.Tensor] = {}
+    error: BaseException | None = None
+    sends: list[tuple[int, torch.Tensor]] = []
+    recvs: list[tuple[int, torch.Tensor, list[Transfer]]] = []
+    try:
+        for name, layout in dst.items():
+            if layout.mesh.contains(rank):
+                new[name] = torch.empty(layout.local_shape(rank), dtype=old[name].dtype if name in old else torch.float32)
+        for t in plan.local_copies_of(rank):
+            piece = old[t.tensor][t.src_local(src[t.tensor])]
+            new[t.tensor][t.dst_local(dst[t.tensor])] = piece[t.piece_local(dst[t.tensor])]
+        built: dict[tuple, torch.Tensor] = {}
+        for peer, transfers in plan.by_peer(rank).items():
+            for dtype, group_t in _by_dtype(transfers, old).items():
+                key = (dtype, tuple((t.tensor, t.box) for t in group_t))
+                if key not in built:  # replicas of a tensor send the same bytes to several peers
+                    built[key] = pack([(old[t.tensor], t.src_local(src[t.tensor])) for t in group_t], backend=backend)
+                sends.append((peer, built[key]))
+        _maybe_fail("pack", rank)
+        for peer, transfers in plan.receives(rank).items():
+            for dtype, group_t in _by_dtype(transfers, new).items():
+                recvs.append((peer, torch.empty(sum(_volume(t) for t in group_t), dtype=dtype), group_t))
+    except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
+        error = e
+    if not _agree(error is None, group):
+        raise SwitchAborted(f"switch aborted before any transfer (rank {rank}: {error!r})") from error
+    ops = [dist.P2POp(dist.isend, buf, peer, group) for peer, buf in sends]
+    ops += [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf, _ in recvs]
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    try:
+        for peer, buf, transfers in recvs:
+            if plan.algorithm == "gather":  # whole source boxes arrive; keep the part inside our box
+                offset = 0
+                for t in transfers:
+                    piece = buf[offset: offset + _volume(t)].view(t.shape)
+                    new[t.tensor][t.dst_local(dst[t.tensor])] = piece[t.piece_local(dst[t.tensor])]
+                    offset += _volume(t)
+            else:
+                unpack(buf, [(new[t.tensor], t.dst_local(dst[t.tensor])) for t in transfers], backend=backend)
+        _maybe_fail("unpack", rank)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    if not _agree(error is None, group):
+        raise SwitchAborted(f"switch aborted after the transfers, before commit (rank {rank}: {error!r}); "
+                            "the previous config is still active") from error
+    sent = sum(b.numel() * b.element_size() for _, b in sends)
+    received = sum(b.numel() * b.element_size() for _, b, _ in recvs)
+    return new, sent, received
+
+
+def _by_dtype(transfers: list[Transfer], tensors: dict[str, torch.Tensor]) -> dict[torch.dtype, list[Transfer]]:
+    out: dict[torch.dtype, list[Transfer]] = {}
+    for t in transfers:
+        out.setdefault(tensors[t.tensor].dtype, []).append(t)
+    return out

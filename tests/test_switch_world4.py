@@ -1,0 +1,143 @@
+"""Hot switching on 4 gloo processes (2 nodes of 2): planned, bit-exact, atomic."""
+import torch
+import torch.distributed as dist
+
+import hotswitch as hs
+from distconfig import Topology
+from hotswitch.executor import SwitchAborted, inject_fault
+from tests.compile_checks import batch, make_model, reference, rel_err
+from tests.distributed import dist_fixture
+
+CONFIGS = [hs.DistConfig("dp4", dp=4), hs.DistConfig("dp2tp2", dp=2, tp=2), hs.DistConfig("tp4sp", tp=4, sp=True),
+           hs.DistConfig("tp4", tp=4)]
+TOPOLOGY = Topology(4, devices_per_node=2)
+
+_cm = None
+
+
+def _compiled():
+    global _cm
+    if _cm is None:
+        _cm = hs.compile(make_model("gpt"), batch(), configs=CONFIGS, topology=TOPOLOGY)
+    return _cm
+
+
+def _snapshot(cm):
+    return {n: t.clone() for n, t in cm.local_params.items()}
+
+
+def check_round_trip_bit_exact():
+    cm = _compiled()
+    cm.switch("dp4")
+    start, full = _snapshot(cm), cm.full_state_dict()
+    for algorithm in ("greedy", "fcfs", "round_robin", "gather"):
+        for name in ("dp2tp2", "tp4sp", "tp4", "dp4"):
+            cm.switch(name, algorithm=algorithm)
+            assert all(torch.equal(full[k], v) for k, v in cm.full_state_dict().items()), (algorithm, name)
+        assert all(torch.equal(start[n], t) for n, t in cm.local_params.items()), algorithm
+    return cm.last_switch
+
+
+def check_gradients_accumulate_across_switches():
+    """Gradients of two micro-batches, one under tp4sp and one under dp4, moved by the switch,
+    equal the single-device sum. (dp4 -> tp4sp would move nothing: replicated to sharded is a
+    local slice; the other way every rank receives the three quarters it lacks.)"""
+    cm = _compiled()
+    cm.switch("tp4sp")
+    cm.zero_grad()
+    (a_ids, a_labels), (b_ids, b_labels) = batch(seed=1), batch(batch=7, seed=2)
+    model = make_model("gpt")
+    _, ga = reference(model, a_ids, a_labels)
+    _, gb = reference(model, b_ids, b_labels)
+    cm.forward_backward(*cm.shard_inputs(a_ids, a_labels))
+    stats = cm.switch("dp4")
+    assert stats.bytes_received > 0 and stats.bytes_sent > 0
+    assert cm.plan_switch("dp4", "tp4sp", with_grads=True).bytes_moved == 0
+    cm.forward_backward(*cm.shard_inputs(b_ids, b_labels))
+    grads = cm.full_grads()
+    worst = max(rel_err(grads[n], ga[n] + gb[n]) for n in ga)
+    assert worst < 1e-5, worst
+    cm.zero_grad()
+
+
+def check_failed_switch_keeps_previous_config():
+    cm = _compiled()
+    cm.switch("dp2tp2")
+    cm.zero_grad()
+    before = _snapshot(cm)
+    for stage, ranks in (("pack", {2}), ("unpack", {1}), ("unpack", None)):
+        with inject_fault(stage, ranks):
+            try:
+                cm.switch("tp4")
+            except SwitchAborted as e:
+                assert "still" in str(e) or "before any transfer" in str(e)
+            else:
+                raise AssertionError(f"no SwitchAborted for a fault at {stage}")
+        assert cm.active == "dp2tp2"
+        assert all(torch.equal(before[n], t) for n, t in cm.local_params.items())
+    ids, labels = batch()
+    loss_ref, grads_ref = reference(make_model("gpt"), ids, labels)
+    loss = cm.forward_backward(*cm.shard_inputs(ids, labels))  # the previous config is intact and usable
+    assert abs(loss.item() - loss_ref.item()) < 1e-5 * loss_ref.item()
+    assert max(rel_err(cm.full_grads()[n], grads_ref[n]) for n in grads_ref) < 1e-5
+    cm.switch("tp4")  # and a later switch works
+    assert cm.active == "tp4"
+    cm.zero_grad()
+
+
+def check_plans_are_pure_and_identical_on_all_ranks():
+    cm = _compiled()
+    summaries = {}
+    for a in cm.configs:
+        for b in cm.configs:
+            if a.name != b.name:
+                for algorithm in ("greedy", "fcfs", "round_robin", "gather"):
+                    summary = cm.plan_switch(a.name, b.name, algorithm=algorithm).summary()
+                    summary.pop("planning_seconds")  # a timing, not part of the plan
+                    summaries[(a.name, b.name, algorithm)] = summary
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, summaries)
+    assert all(g == summaries for g in gathered)
+    return summaries
+
+
+def check_plan_order():
+    cm = _compiled()
+    order = cm.plan_order(["dp4", "dp2tp2", "tp4sp"])
+    assert order.order[0] == "dp4" and sorted(order.order) == ["dp2tp2", "dp4", "tp4sp"]
+    assert order.exact and order.cost > 0
+    return order.order, order.cost
+
+
+results = dist_fixture(4, [check_round_trip_bit_exact, check_gradients_accumulate_across_switches,
+                           check_failed_switch_keeps_previous_config, check_plans_are_pure_and_identical_on_all_ranks,
+                           check_plan_order], env={"HOTSWITCH_PACK_BACKEND": "torch"})
+
+
+def test_round_trip_through_all_configs_is_bit_exact(results):
+    results["check_round_trip_bit_exact"].raise_if_failed()
+
+
+def test_gradients_accumulate_across_a_switch(results):
+    results["check_gradients_accumulate_across_switches"].raise_if_failed()
+
+
+def test_failed_switch_leaves_previous_config_usable(results):
+    results["check_failed_switch_keeps_previous_config"].raise_if_failed()
+
+
+def test_greedy_beats_baselines_on_two_nodes(results):
+    (summaries, *_) = results["check_plans_are_pure_and_identical_on_all_ranks"].raise_if_failed()
+    pairs = {(a, b) for a, b, _ in summaries}
+    for a, b in pairs:
+        greedy = summaries[(a, b, "greedy")]
+        assert greedy["bytes_moved"] == greedy["lower_bound_bytes"], (a, b, greedy)
+        for baseline in ("fcfs", "round_robin"):
+            other = summaries[(a, b, baseline)]
+            assert greedy["inter_node_bytes"] <= other["inter_node_bytes"], (a, b, baseline)
+            assert greedy["max_send_bytes"] <= other["max_send_bytes"], (a, b, baseline)
+        assert greedy["bytes_moved"] <= summaries[(a, b, "gather")]["bytes_moved"]
+
+
+def test_plan_order_is_a_cycle(results):
+    results["check_plan_order"].raise_if_failed()
