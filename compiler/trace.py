@@ -14,6 +14,7 @@ makes uneven DP splits (and ignored labels) exact.
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -164,7 +165,9 @@ def trace(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int,
         {d: Dim.AUTO for d in dynamic_dims.get(i, ())} if isinstance(x, torch.Tensor) else None
         for i, x in enumerate(example_inputs)
     )
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings():
+        # torch 2.13's own pytree use warns on every export; nothing for the user to act on
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         ep = export(model, example_inputs, dynamic_shapes=dyn_shapes, strict=False)
         ep = ep.run_decompositions(decomposition_table())
     sig = ep.graph_signature

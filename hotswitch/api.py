@@ -41,9 +41,6 @@ class ConfigState:
     layouts: dict | None = None  # parameter name -> distconfig Layout, built on first use
 
 
-_GRAD = "grad:"  # prefix naming a parameter's gradient in switch plans
-
-
 def _mesh_axes(config: DistConfig) -> tuple[list[str], list[int]]:
     names = [a for a, n in (("dp", config.dp), ("tp", config.tp)) if n > 1] or ["dp"]
     return names, [getattr(config, a) for a in names]
@@ -51,7 +48,7 @@ def _mesh_axes(config: DistConfig) -> tuple[list[str], list[int]]:
 
 class CompiledModel:
     def __init__(self, model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
-                 topology: Topology | None = None, lazy: bool = False):
+                 topology: Topology | None = None, lazy: bool = False, progress=None):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU), on every rank")
@@ -75,7 +72,11 @@ class CompiledModel:
         self.last_switch: SwitchStats | None = None
         self._configs = tuple(configs)
         self._example_inputs = tuple(example_inputs)
+        report = progress or (lambda message: None)
+        report("tracing")
+        t0 = time.perf_counter()
         self.logic: LogicGraph = trace(model, self._example_inputs)
+        self.trace_seconds = time.perf_counter() - t0
         placeholders = [n for n in self.logic.forward.graph.nodes if n.op == "placeholder"]
         self.roles: TPRoles = infer_tp_roles(self.logic.forward.graph, self.logic.param_names)
         del placeholders
@@ -86,9 +87,11 @@ class CompiledModel:
         self._states: dict[str, ConfigState] = {c.name: self._make_state(c) for c in configs}
         self._local: dict[str, torch.Tensor] = {}
         self._grads: dict[str, torch.Tensor] | None = None
+        self._param_states: dict[str, dict[str, torch.Tensor]] = {}
         self._global_shapes: dict[tuple, tuple] = {}
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
+            report(f"compiling {c.name}")
             self._train_graph(self._states[c.name], shapes)
         self._activate(configs[0].name, self._full_params)
         del self._full_params
@@ -109,36 +112,73 @@ class CompiledModel:
         return self._train_graph(st, tuple(tuple(s) for s in shapes))
 
     def switch(self, name: str, algorithm: str = "greedy") -> SwitchStats:
-        """Activate config `name`: weights (and accumulated gradients) move to its layout by the
-        cached plan. Atomic: on any failure every rank stays in the previous config."""
+        """Activate config `name`: weights, accumulated gradients and every attached per-parameter
+        state move to its layout by the cached plan. Atomic: on any failure every rank stays in the
+        previous config. Call on every rank."""
         st = self._state(name)
         if name == self._active:
             return SwitchStats(name, name, algorithm, 0.0, 0, 0)
         t0 = time.perf_counter()
-        with_grads = self._grads is not None
-        plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads=with_grads)
+        kinds = self._moving_kinds()
+        plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads="grad" in kinds,
+                                states=tuple(k for k in kinds if k != "grad"))
         old = dict(self._local)
-        if with_grads:
-            old.update({_GRAD + n: g for n, g in self._grads.items()})
-        src, dst = self._layouts(self._active, with_grads), self._layouts(name, with_grads)
-        new, sent, received = execute_plan(plan, old, src, dst, self.rank)
+        for kind in kinds:
+            old.update({f"{kind}:{n}": t for n, t in self._kind(kind).items()})
+        new, sent, received = execute_plan(plan, old, self._layouts(self._active, kinds), self._layouts(name, kinds), self.rank)
         self._local = {n: new[n] for n in self.logic.param_names}
-        self._grads = {n: new[_GRAD + n] for n in self.logic.param_names} if with_grads else None
+        if self._grads is not None:
+            self._grads = {n: new[f"grad:{n}"] for n in self.logic.param_names}
+        for kind in self._param_states:
+            self._param_states[kind] = {n: new[f"{kind}:{n}"] for n in self.logic.param_names}
         self.last_switch = SwitchStats(self._active, st.config.name, algorithm, time.perf_counter() - t0, sent, received)
         self._active = name
         return self.last_switch
 
+    def attach_state(self, kind: str, local: dict[str, torch.Tensor]) -> None:
+        """Attach per-parameter state (fp32 master weights, optimizer moments, ...) given as this
+        rank's shards in the active config's layout; from now on it moves with every switch."""
+        if kind == "grad" or ":" in kind:
+            raise ValueError(f"state kind {kind!r} is reserved or contains ':'; pick another name such as 'exp_avg'")
+        missing = set(self.logic.param_names) - set(local)
+        if missing:
+            raise ValueError(f"state {kind!r} lacks entries for {sorted(missing)[:3]}...: give one tensor per parameter")
+        for n in self.logic.param_names:
+            if tuple(local[n].shape) != tuple(self._local[n].shape):
+                raise ValueError(f"state {kind!r} of {n} has shape {tuple(local[n].shape)}, but this rank's shard of the "
+                                 f"parameter under {self._active!r} has shape {tuple(self._local[n].shape)}")
+        self._param_states[kind] = dict(local)
+
+    def state(self, kind: str) -> dict[str, torch.Tensor]:
+        """This rank's shards of an attached per-parameter state, in the active layout."""
+        if kind not in self._param_states:
+            raise ValueError(f"no state {kind!r} attached; attached: {sorted(self._param_states)}")
+        return dict(self._param_states[kind])
+
+    def detach_state(self, kind: str) -> dict[str, torch.Tensor]:
+        return self._param_states.pop(kind)
+
+    def full_state(self, kind: str) -> dict[str, torch.Tensor]:
+        """An attached state gathered to full tensors (a collective: call on every rank)."""
+        return self._full(self.state(kind))
+
+    def shard_like_params(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's pieces of full per-parameter tensors, in the active config's layout."""
+        st = self._states[self._active]
+        return {n: self._slice(st, n, full[n]) for n in self.logic.param_names}
+
     def plan_switch(self, source: str, destination: str, algorithm: str = "greedy",
-                    with_grads: bool = False) -> SwitchPlan:
-        """The plan moving weights (and gradients) from one config's layout to another's. Pure: no
-        communication; every rank computes the same plan; cached per (source, destination)."""
+                    with_grads: bool = False, states: tuple[str, ...] = ()) -> SwitchPlan:
+        """The plan moving weights (and gradients and attached states) from one config's layout to
+        another's. Pure: no communication; every rank computes the same plan; cached per pair."""
         self._state(source), self._state(destination)
+        kinds = (("grad",) if with_grads else ()) + tuple(states)
 
         def moves():
-            src, dst = self._layouts(source, with_grads), self._layouts(destination, with_grads)
-            return [TensorMove(n, tuple(src[n].global_shape), self._dtype(n).itemsize, src[n], dst[n]) for n in src]
+            src, dst = self._layouts(source, kinds), self._layouts(destination, kinds)
+            return [TensorMove(n, tuple(src[n].global_shape), self._itemsize(n), src[n], dst[n]) for n in src]
 
-        return self._plans.get((source, with_grads), (destination, with_grads), moves, self.topology, algorithm)
+        return self._plans.get((source, kinds), (destination, kinds), moves, self.topology, algorithm)
 
     def plan_order(self, names, base: str | None = None) -> OrderPlan:
         """The cheapest cycle through `names` (from and back to `base`, default the first), priced by
@@ -252,19 +292,30 @@ class CompiledModel:
             placements[axis["tp"]] = dt.Shard(dim)
         return tuple(placements)
 
-    def _dtype(self, name: str) -> torch.dtype:
-        return self.logic.param_dtypes[name.removeprefix(_GRAD)]
+    def _moving_kinds(self) -> tuple[str, ...]:
+        return (("grad",) if self._grads is not None else ()) + tuple(sorted(self._param_states))
 
-    def _layouts(self, name: str, with_grads: bool = False) -> dict[str, Layout]:
-        """distconfig Layouts of every parameter (and gradient) under config `name`."""
+    def _kind(self, kind: str) -> dict[str, torch.Tensor]:
+        return self._grads if kind == "grad" else self._param_states[kind]
+
+    def _itemsize(self, name: str) -> int:
+        """Bytes per element of a switched tensor ('param' or 'kind:param')."""
+        kind, _, param = name.rpartition(":")
+        if kind and kind != "grad" and kind in self._param_states:
+            return self._param_states[kind][param].element_size()
+        return self.logic.param_dtypes[param].itemsize
+
+    def _layouts(self, name: str, kinds: tuple[str, ...] = ()) -> dict[str, Layout]:
+        """distconfig Layouts of every parameter (and of each state kind, same layout) under `name`."""
         st = self._states[name]
         if st.layouts is None:
             mesh = Mesh(st.mesh.mesh.tolist(), tuple(st.mesh.mesh_dim_names))
             st.layouts = {n: Layout(tuple(self.logic.param_shapes[n]), mesh, tuple(from_torch(p) for p in st.param_specs[n]))
                           for n in self.logic.param_names}
-        if not with_grads:
-            return st.layouts
-        return {**st.layouts, **{_GRAD + n: layout for n, layout in st.layouts.items()}}
+        out = dict(st.layouts)
+        for kind in kinds:
+            out.update({f"{kind}:{n}": layout for n, layout in st.layouts.items()})
+        return out
 
     def _coordinate(self, st: ConfigState, axis_name: str) -> int:
         if axis_name not in st.axis:
@@ -397,11 +448,12 @@ def _seq_symbol(graph: fx.Graph, num_inputs: int):
 
 
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
-            topology: Topology | None = None, lazy: bool = False) -> CompiledModel:
+            topology: Topology | None = None, lazy: bool = False, progress=None) -> CompiledModel:
     """Trace `model` (forward returns a scalar mean loss) once and compile it for every config.
 
     Call on every rank after `dist.init_process_group`, with identical weights on every rank. The
     example inputs are a *global* batch; the first config is active afterwards. `lazy=True` lowers
-    each config's ExecGraph on its first use instead of now (switching needs only the layouts).
+    each config's ExecGraph on its first use instead of now (switching needs only the layouts);
+    `progress(message)` is called as each phase starts ("tracing", "compiling dp4", ...).
     """
-    return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy)
+    return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy, progress=progress)

@@ -116,11 +116,12 @@ def _baselines(cm, a: str, b: str, repeats: int) -> list[dict]:
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         tmp_list = [tmp]
         dist.broadcast_object_list(tmp_list, src=0)
-        path = os.path.join(tmp_list[0], f"{a}-{b}")
+        runs = iter(range(10**6))
 
         def save_and_load():
             from torch.distributed.tensor import DTensor
 
+            path = os.path.join(tmp_list[0], f"{a}-{b}-{next(runs)}")  # a fresh checkpoint each time
             dcp.save(src, checkpoint_id=path)
             dst = {n: DTensor.from_local(torch.empty(_local_shape(sb, n, cm)), sb.mesh, sb.param_specs[n], run_check=False,
                                          shape=cm.logic.param_shapes[n],

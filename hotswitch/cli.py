@@ -1,7 +1,8 @@
 """The `hotswitch` command line. One function per subcommand: `add_<name>(subparsers)` registers its
 parser and sets `run=<function taking the parsed args>`; list it in COMMANDS.
 
-    hotswitch demo    train a small GPT on 4 CPU processes under dp4, dp2tp2 and tp4sp, switching between them
+    hotswitch demo           train a small GPT on 4 CPU processes under dp4, dp2tp2 and tp4sp, switching between them
+    hotswitch bench switch   what every switch between configs costs: planner algorithms and outside baselines
 """
 from __future__ import annotations
 
@@ -299,7 +300,130 @@ def _print_demo(result: dict, opts: DemoOptions) -> None:
           f"(max |Δloss| = {result['max_dloss']:.1e})", flush=True)
 
 
-COMMANDS = [add_demo]
+def add_bench(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks")
+    sub = p.add_subparsers(title="benchmarks", metavar="BENCH")
+    q = sub.add_parser("switch", help="measure every ordered pair of configs: planner algorithms, DTensor redistribute, "
+                       "torch.distributed.checkpoint save + load", description=__import__("hotswitch.bench_switch",
+                       fromlist=["x"]).__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("--world-size", type=int, default=4)
+    q.add_argument("--devices-per-node", type=int, default=2, help="processes per simulated node (default 2)")
+    q.add_argument("--model", default="gpt2-23m", help="built-in model (default gpt2-23m, 23M parameters)")
+    q.add_argument("--configs", default=None, help="semicolon-separated DistConfig specs "
+                   "(default: 'dp=4;dp=2,tp=2;tp=4;tp=4,sp' scaled to --world-size)")
+    q.add_argument("--repeats", type=int, default=5, help="timed runs per switch; the median is reported")
+    q.add_argument("--json", default="bench_switch.json", help="where to write the results (default bench_switch.json)")
+    q.add_argument("--plot", default="bench_switch.png", help="where to draw the chart (default bench_switch.png)")
+    q.set_defaults(run=run_bench_switch)
+    p.set_defaults(run=lambda args: p.print_help() or 2)
+
+
+def run_bench_switch(args) -> int:
+    from hotswitch import bench_switch
+    from hotswitch.models import MODEL_CONFIGS
+
+    if args.model not in MODEL_CONFIGS:
+        print(f"unknown model {args.model!r}; built-in models: {', '.join(MODEL_CONFIGS)}", file=sys.stderr)
+        return 2
+    w = args.world_size
+    configs = args.configs.split(";") if args.configs else [f"dp={w}", f"dp={w // 2},tp=2", f"tp={w}", f"tp={w},sp"]
+    print(f"benchmarking switches of {args.model} between {configs} on {w} processes, {args.devices_per_node} per node ...",
+          flush=True)
+    result = bench_switch.run(world_size=w, devices_per_node=args.devices_per_node, model=args.model, configs=configs,
+                              repeats=args.repeats, json_path=args.json, png_path=args.plot)
+    print(bench_switch.format_table(result))
+    print(f"wrote {args.json} and {args.plot}")
+    return 0
+
+
+def add_plan(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="plan one switch of a large model on a simulated GPU cluster "
+                              "(no GPU needed)",
+                              description="Plan the switch of a model's state (GPT-3 / LLaMA-2, described without "
+                              "weights) from one DistConfig to another on --devices GPUs with every algorithm, and "
+                              "price each plan with the cluster simulator (NVLink inside a node, one NIC per GPU "
+                              "between nodes, per-message latency): bytes moved, inter-node bytes, busiest sender, "
+                              "lower bound, simulated seconds and planning time.")
+    p.add_argument("--model", default="gpt3-175b", help="model name (hotswitch.cluster.MODELS; default gpt3-175b)")
+    p.add_argument("--devices", type=int, default=1024, help="GPUs in the job (default 1024)")
+    p.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--from", dest="src", default="dp=8,tp=8,pp=16", metavar="SPEC",
+                   help="source DistConfig spec (default 'dp=8,tp=8,pp=16')")
+    p.add_argument("--to", dest="dst", default="dp=16,tp=4,pp=16", metavar="SPEC",
+                   help="destination DistConfig spec (default 'dp=16,tp=4,pp=16')")
+    p.add_argument("--intra-bw", type=float, default=450.0, metavar="GBPS",
+                   help="GB/s per GPU and direction inside a node (default 450, NVLink)")
+    p.add_argument("--inter-bw", type=float, default=50.0, metavar="GBPS",
+                   help="GB/s per GPU and direction between nodes (default 50, one 400 Gb/s NIC per GPU)")
+    p.add_argument("--with-grads", action="store_true", help="also move fp32 gradients (4 B/param)")
+    p.add_argument("--with-optimizer", action="store_true",
+                   help="also move fp32 master weights and Adam moments (12 B/param)")
+    p.add_argument("--json", action="store_true", help="print JSON (greedy plan at the top level) instead of a table")
+    p.add_argument("--plot", default=None, metavar="PATH", help="draw each plan's bytes sent per device as a heatmap")
+    p.set_defaults(run=run_plan)
+
+
+def run_plan(args) -> int:
+    import json
+    import math
+
+    from distconfig import DistConfig
+    from hotswitch import cluster, simulate
+
+    t0 = time.perf_counter()
+    try:
+        src, dst = DistConfig.parse(args.src), DistConfig.parse(args.dst)
+        topology = simulate.gpu_cluster(args.devices, args.devices_per_node, args.intra_bw * 1e9, args.inter_bw * 1e9)
+        spec = cluster.describe_model(args.model)
+        moves = cluster.switch_moves(spec, src, dst, args.devices, with_grads=args.with_grads,
+                                     with_optimizer=args.with_optimizer)
+    except ValueError as e:
+        raise SystemExit(f"hotswitch plan: {e}")
+    build_seconds = time.perf_counter() - t0
+    results = simulate.compare_algorithms(moves, topology)
+    rows = {alg: simulate.report(plan, sim) for alg, (plan, sim) in results.items()}
+    greedy = rows["greedy"]
+    plan_seconds = build_seconds + greedy["planning_seconds"]  # configs -> layouts -> greedy plan
+    state = "weights" + (" + grads" if args.with_grads else "") + (" + Adam" if args.with_optimizer else "")
+    total = sum(m.itemsize * math.prod(m.shape) for m in moves)
+    title = (f"{spec.name} {src.name} -> {dst.name}: {spec.num_params / 1e9:.1f}B params, {state} "
+             f"{total / 1e9:,.0f} GB, on {args.devices} GPUs = {topology.num_nodes} nodes x {args.devices_per_node} "
+             f"({args.intra_bw:g} GB/s NVLink, {args.inter_bw:g} GB/s NIC per GPU)")
+    if args.plot:
+        simulate.plot_send_volume({alg: plan for alg, (plan, _) in results.items()}, args.plot, title)
+    if args.json:
+        out = {"model": spec.name, "num_params": spec.num_params, "devices": args.devices,
+               "devices_per_node": args.devices_per_node, "from": src.spec(), "to": dst.spec(),
+               "intra_node_bandwidth": topology.intra_node_bandwidth,
+               "inter_node_bandwidth": topology.inter_node_bandwidth, "state": state,
+               "plan_seconds": plan_seconds, "build_seconds": build_seconds,
+               **{k: greedy[k] for k in ("bytes_moved", "inter_node_bytes", "max_send_bytes", "lower_bound_bytes",
+                                         "lower_bound_seconds", "estimated_seconds")},
+               "algorithms": rows}
+        print(json.dumps(out, indent=2))
+        return 0
+    gb = lambda b: f"{b / 1e9:,.1f}"  # noqa: E731
+    columns = ["algorithm", "moved GB", "inter GB", "max send GB", "bound GB", "bound s", "simulated s", "x bound",
+               "bottleneck", "plan s"]
+    table = [[alg, gb(r["bytes_moved"]), gb(r["inter_node_bytes"]), gb(r["max_send_bytes"]), gb(r["lower_bound_bytes"]),
+              f"{r['lower_bound_seconds']:.4f}", f"{r['estimated_seconds']:.4f}",
+              "-" if r["bound_ratio"] is None else f"{r['bound_ratio']:.2f}",
+              r["bottleneck"], f"{r['planning_seconds']:.3f}"] for alg, r in rows.items()]
+    try:  # wider than render_table's default when piped: ten columns
+        from rich.console import Console
+        console = Console(width=None if sys.stdout.isatty() else 150)
+    except ImportError:
+        console = None
+    print(title)  # on its own line: a table title would wrap at the table's width
+    render_table("", columns, table, console)
+    print(f"planned in {plan_seconds:.2f} s (model + layouts {build_seconds:.2f} s, greedy plan "
+          f"{greedy['planning_seconds']:.2f} s); all algorithms + simulation {time.perf_counter() - t0:.2f} s")
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+COMMANDS = [add_demo, add_bench, add_plan]
 
 
 if __name__ == "__main__":

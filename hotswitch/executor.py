@@ -76,11 +76,19 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
     error: BaseException | None = None
     sends: list[tuple[int, torch.Tensor]] = []
     recvs: list[tuple[int, torch.Tensor, list[Transfer]]] = []
+    incoming = plan.receives(rank)
+    written = {t.tensor for transfers in incoming.values() for t in transfers}
     try:
         for name, layout in dst.items():
-            if layout.mesh.contains(rank):
+            if not layout.mesh.contains(rank):
+                continue
+            if name in old and name not in written and src[name].mesh.contains(rank) and src[name].box(rank) == layout.box(rank):
+                new[name] = old[name]  # same piece, nothing arrives: share it (the old state is never written)
+            else:
                 new[name] = torch.empty(layout.local_shape(rank), dtype=old[name].dtype if name in old else torch.float32)
         for t in plan.local_copies_of(rank):
+            if new[t.tensor] is old.get(t.tensor):
+                continue
             piece = old[t.tensor][t.src_local(src[t.tensor])]
             new[t.tensor][t.dst_local(dst[t.tensor])] = piece[t.piece_local(dst[t.tensor])]
         built: dict[tuple, torch.Tensor] = {}
@@ -91,12 +99,13 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
                     built[key] = pack([(old[t.tensor], t.src_local(src[t.tensor])) for t in group_t], backend=backend)
                 sends.append((peer, built[key]))
         _maybe_fail("pack", rank)
-        for peer, transfers in plan.receives(rank).items():
+        for peer, transfers in incoming.items():
             for dtype, group_t in _by_dtype(transfers, new).items():
                 recvs.append((peer, torch.empty(sum(_volume(t) for t in group_t), dtype=dtype), group_t))
     except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
         error = e
-    if not _agree(error is None, group):
+    moves_data = len(plan.transfer_array) > 0  # same on every rank: the plan is global
+    if moves_data and not _agree(error is None, group):  # a failed rank must not leave peers waiting in P2P
         raise SwitchAborted(f"switch aborted before any transfer (rank {rank}: {error!r})") from error
     ops = [dist.P2POp(dist.isend, buf, peer, group) for peer, buf in sends]
     ops += [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf, _ in recvs]

@@ -52,8 +52,8 @@ MODEL_CONFIGS: dict[str, GPTConfig] = {
     # GPT-2 small sized (12 layers, 768 wide, 12 heads); used by the compile-time benchmark.
     "gpt2-small": GPTConfig(vocab_size=50257, dim=768, n_layers=12, n_heads=12, norm="layer", mlp="gelu",
                             position="learned", tie_embeddings=True, max_seq_len=1024),
-    # About 23M parameters, GPT-2 style: the switching benchmark's model.
-    "gpt2-23m": GPTConfig(vocab_size=8192, dim=384, n_layers=8, n_heads=6, norm="layer", mlp="gelu",
+    # About 23M parameters, GPT-2 style (8 heads: tp 2, 4 and 8 divide them): the switching benchmark's model.
+    "gpt2-23m": GPTConfig(vocab_size=8192, dim=384, n_layers=9, n_heads=8, norm="layer", mlp="gelu",
                           position="learned", max_seq_len=512),
 }
 

@@ -85,6 +85,26 @@ def check_failed_switch_keeps_previous_config():
     cm.zero_grad()
 
 
+def check_attached_state_moves_with_switches():
+    """Per-parameter state (optimizer moments, fp64 'master' copies) travels with every switch."""
+    cm = _compiled()
+    cm.switch("tp4")
+    g = torch.Generator().manual_seed(7)
+    moments = {n: torch.randn(p.shape, generator=g) for n, p in cm.full_state_dict(canonical=True).items()}
+    master = {n: p.to(torch.float64) for n, p in cm.full_state_dict(canonical=True).items()}
+    cm.attach_state("exp_avg", cm.shard_like_params(moments))
+    cm.attach_state("master", cm.shard_like_params(master))
+    plan = cm.plan_switch("tp4", "dp2tp2", states=("exp_avg", "master"))
+    # weights (fp32) + exp_avg (fp32) + master (fp64): 1 + 1 + 2 times the weights' bytes
+    assert plan.bytes_moved == 4 * cm.plan_switch("tp4", "dp2tp2").bytes_moved
+    for name in ("dp2tp2", "dp4", "tp4sp", "tp4"):
+        cm.switch(name)
+        assert all(torch.equal(moments[n], t) for n, t in cm.full_state("exp_avg").items()), name
+        full_master = cm.full_state("master")
+        assert all(full_master[n].dtype == torch.float64 and torch.equal(master[n], full_master[n]) for n in master), name
+    cm.detach_state("exp_avg"), cm.detach_state("master")
+
+
 def check_plans_are_pure_and_identical_on_all_ranks():
     cm = _compiled()
     summaries = {}
@@ -110,7 +130,8 @@ def check_plan_order():
 
 
 results = dist_fixture(4, [check_round_trip_bit_exact, check_gradients_accumulate_across_switches,
-                           check_failed_switch_keeps_previous_config, check_plans_are_pure_and_identical_on_all_ranks,
+                           check_failed_switch_keeps_previous_config, check_attached_state_moves_with_switches,
+                           check_plans_are_pure_and_identical_on_all_ranks,
                            check_plan_order], env={"HOTSWITCH_PACK_BACKEND": "torch"})
 
 
@@ -124,6 +145,10 @@ def test_gradients_accumulate_across_a_switch(results):
 
 def test_failed_switch_leaves_previous_config_usable(results):
     results["check_failed_switch_keeps_previous_config"].raise_if_failed()
+
+
+def test_attached_state_moves_with_switches(results):
+    results["check_attached_state_moves_with_switches"].raise_if_failed()
 
 
 def test_greedy_beats_baselines_on_two_nodes(results):

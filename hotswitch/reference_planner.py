@@ -1,0 +1,206 @@
+"""A deliberately simple planner, for tests only: the four algorithms of `hotswitch.planner`, in loops.
+
+It follows the semantics documented in `hotswitch.planner`'s module docstring, written from the
+documentation rather than from the vectorized code, so that the two can be checked against each
+other on small cases (same transfers, same bytes, same estimates and bounds):
+
+- Work items, in order: for every tensor (order of `moves`), every receiver (a device of the
+  destination mesh with a non-empty box, ascending id), every source box (a distinct non-empty box
+  of the source layout) that meets the receiver's box, in row-major order of the intersection
+  ("slice"). The slice's owners are the devices holding that source box, ascending. A receiver that
+  owns the slice copies it locally (all algorithms).
+- greedy: owners on the receiver's node if any (intra-node link), else all owners (inter-node link);
+  items with one candidate are committed first, then the others in item order, each to the
+  candidate with the least load on that link so far (ties: lowest id).
+- fcfs: the lowest-id owner. round_robin: the k-th receiver lacking a (tensor, slice), by id, takes
+  the slice's owners in turn (owner k mod n). gather: every receiver gets every source box it does
+  not own, whole, from the box's lowest-id owner.
+- Pricing and lower bounds: the planner's formulas, summed per device / receiver / owner set.
+
+Nothing here is vectorized or cached: it is O(tensors x devices x boxes) Python, fine for tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from distconfig import Topology
+from distconfig.layout import Box
+
+from .planner import ALGORITHMS, TensorMove, Transfer
+
+__all__ = ["ReferencePlan", "plan_switch"]
+
+
+@dataclass(frozen=True)
+class ReferencePlan:
+    algorithm: str
+    transfers: list[Transfer]
+    local_copies: list[Transfer]
+    bytes_moved: int
+    inter_node_bytes: int
+    intra_node_bytes: int
+    send_bytes_intra: list[int]
+    send_bytes_inter: list[int]
+    recv_bytes_intra: list[int]
+    recv_bytes_inter: list[int]
+    lower_bound_bytes: int
+    lower_bound_seconds: float
+    estimated_seconds: float
+
+
+@dataclass
+class _Item:
+    tensor: int
+    recv: int
+    box: Box  # the slice
+    owners: tuple[int, ...]  # ascending
+    nbytes: int
+
+
+def _intersect(a: Box, b: Box) -> Box | None:
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo, hi = max(a0, b0), min(a1, b1)
+        if hi <= lo:
+            return None
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def _volume(box: Box) -> int:
+    return math.prod(b - a for a, b in box)
+
+
+def plan_switch(moves: Sequence[TensorMove], topology: Topology, algorithm: str = "greedy") -> ReferencePlan:
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown switch algorithm {algorithm!r}; use one of {ALGORITHMS}")
+    dpn = topology.devices_per_node
+
+    def node(d: int) -> int:
+        return d // dpn
+
+    items: list[_Item] = []  # slices receivers lack, in item order
+    local_copies: list[Transfer] = []
+    lower_bound_bytes = 0
+    gather: list[Transfer] = []
+    for t, m in enumerate(moves):
+        owners = {box: tuple(sorted(devs)) for box, devs in m.src.owners().items()}
+        dst_owners = m.dst.owners()
+        receivers = sorted(d for devs in dst_owners.values() for d in devs)
+        for r in receivers:
+            mine = m.dst.box(r)
+            own_box = next((b for b, devs in owners.items() if r in devs), None)
+            # lower bound: what the receiver's box holds beyond its own source box
+            kept = _intersect(mine, own_box) if own_box is not None else None
+            lower_bound_bytes += (_volume(mine) - (_volume(kept) if kept is not None else 0)) * m.itemsize
+            pieces = []
+            for box, devs in owners.items():
+                piece = _intersect(mine, box)
+                if piece is not None:
+                    pieces.append((piece, devs))
+            for piece, devs in sorted(pieces, key=lambda p: [a for a, _ in p[0]]):
+                nbytes = _volume(piece) * m.itemsize
+                if r in devs:
+                    local_copies.append(Transfer(m.name, r, r, piece, nbytes))
+                else:
+                    items.append(_Item(t, r, piece, devs, nbytes))
+            if algorithm == "gather":
+                for box, devs in owners.items():
+                    if r not in devs:
+                        gather.append(Transfer(m.name, devs[0], r, box, _volume(box) * m.itemsize))
+
+    if algorithm == "gather":
+        transfers = gather
+    else:
+        senders = _choose(items, algorithm, node, topology.num_devices)
+        transfers = [Transfer(moves[it.tensor].name, s, it.recv, it.box, it.nbytes) for it, s in zip(items, senders)]
+
+    n = topology.num_devices
+    send_intra, send_inter, recv_intra, recv_inter = [0] * n, [0] * n, [0] * n, [0] * n
+    for tr in transfers:
+        assert tr.src_device != tr.dst_device
+        if node(tr.src_device) == node(tr.dst_device):
+            send_intra[tr.src_device] += tr.nbytes
+            recv_intra[tr.dst_device] += tr.nbytes
+        else:
+            send_inter[tr.src_device] += tr.nbytes
+            recv_inter[tr.dst_device] += tr.nbytes
+    bi, be = topology.intra_node_bandwidth, topology.inter_node_bandwidth
+    estimated = max(
+        [max(send_intra[d] / bi, send_inter[d] / be, recv_intra[d] / bi, recv_inter[d] / be) for d in range(n)],
+        default=0.0,
+    )
+    return ReferencePlan(
+        algorithm=algorithm,
+        transfers=transfers,
+        local_copies=local_copies,
+        bytes_moved=sum(tr.nbytes for tr in transfers),
+        inter_node_bytes=sum(send_inter),
+        intra_node_bytes=sum(send_intra),
+        send_bytes_intra=send_intra,
+        send_bytes_inter=send_inter,
+        recv_bytes_intra=recv_intra,
+        recv_bytes_inter=recv_inter,
+        lower_bound_bytes=lower_bound_bytes,
+        lower_bound_seconds=_lower_bound_seconds(items, node, bi, be),
+        estimated_seconds=estimated,
+    )
+
+
+def _candidates(it: _Item, node) -> tuple[tuple[int, ...], int]:
+    """The owners to choose from and the link class (0 intra-node, 1 inter-node)."""
+    near = tuple(d for d in it.owners if node(d) == node(it.recv))
+    return (near, 0) if near else (it.owners, 1)
+
+
+def _choose(items: list[_Item], algorithm: str, node, num_devices: int) -> list[int]:
+    if algorithm == "fcfs":
+        return [it.owners[0] for it in items]
+    if algorithm == "round_robin":
+        taken: dict[tuple[int, Box], int] = {}  # receivers served so far per (tensor, slice)
+        out = []
+        for it in items:  # item order puts one slice's receivers in ascending id
+            k = taken.get((it.tensor, it.box), 0)
+            taken[(it.tensor, it.box)] = k + 1
+            out.append(it.owners[k % len(it.owners)])
+        return out
+    assert algorithm == "greedy"
+    loads = [[0] * num_devices, [0] * num_devices]  # per link class
+    out: list[int | None] = [None] * len(items)
+    for i, it in enumerate(items):  # single-candidate items first
+        cands, c = _candidates(it, node)
+        if len(cands) == 1:
+            out[i] = cands[0]
+            loads[c][cands[0]] += it.nbytes
+    for i, it in enumerate(items):
+        if out[i] is not None:
+            continue
+        cands, c = _candidates(it, node)
+        best = min(cands, key=lambda d: (loads[c][d], d))
+        out[i] = best
+        loads[c][best] += it.nbytes
+    return out
+
+
+def _lower_bound_seconds(items: list[_Item], node, bi: float, be: float) -> float:
+    """The planner's per-receiver and per-owner-set bounds, summed with dicts."""
+    per_recv: dict[int, list[int]] = {}
+    per_set: dict[tuple[int, ...], list[int]] = {}
+    for it in items:
+        near = sum(node(d) == node(it.recv) for d in it.owners)
+        k = 0 if near == len(it.owners) else 1 if near == 0 else 2  # I, E, F
+        per_recv.setdefault(it.recv, [0, 0, 0])[k] += it.nbytes
+        per_set.setdefault(it.owners, [0, 0, 0])[k] += it.nbytes
+
+    def bound(i: int, e: int, f: int, size: int) -> float:
+        return max(i / bi, e / be, (i + e + f) / (bi + be)) / size
+
+    best = 0.0
+    for i, e, f in per_recv.values():
+        best = max(best, bound(i, e, f, 1))
+    for owners, (i, e, f) in per_set.items():
+        best = max(best, bound(i, e, f, len(owners)))
+    return best
