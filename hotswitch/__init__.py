@@ -1,6 +1,13 @@
 """hotswitch: compile a model once for several parallel layouts and switch between them while training."""
 from distconfig import DistConfig, Topology
 
-from .api import CompiledModel, compile
-
 __all__ = ["CompiledModel", "DistConfig", "Topology", "compile"]
+
+
+def __getattr__(name):
+    # The compiler (torch.export, DTensor) loads on first use: `hotswitch plan` never needs it.
+    if name in ("compile", "CompiledModel"):
+        from . import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'hotswitch' has no attribute {name!r}")

@@ -3,6 +3,7 @@ parser and sets `run=<function taking the parsed args>`; list it in COMMANDS.
 
     hotswitch demo           train a small GPT on 4 CPU processes under dp4, dp2tp2 and tp4sp, switching between them
     hotswitch bench switch   what every switch between configs costs: planner algorithms and outside baselines
+    hotswitch plan           plan one switch of a large model on a simulated cluster (pure, no processes)
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from distconfig import Layout, Mesh, Partial, Replicate, Shard, Topology
+from distconfig import DistConfig, Layout, Mesh, Partial, Replicate, Shard, Topology
+from hotswitch.cluster import switch_moves
 from hotswitch.planner import ALGORITHMS, PlanCache, SwitchPlan, TensorMove, Transfer, plan_switch
 
 NUM_DEVICES = 16
@@ -297,40 +298,9 @@ def test_elastic_device_change():
 # ---------------------------------------------------------------- scale: GPT-3 175B over 1024 devices
 
 
-def gpt3_moves(layers=96, hidden=12288, vocab=50257, pp=16, src=(8, 8), dst=(16, 4), dpn_devices=1024):
-    per_stage = dpn_devices // pp
-    h = hidden
-    block = {
-        "attn.qkv.weight": ((3 * h, h), Shard(0)), "attn.qkv.bias": ((3 * h,), Shard(0)),
-        "attn.out.weight": ((h, h), Shard(1)), "attn.out.bias": ((h,), Replicate()),
-        "mlp.fc1.weight": ((4 * h, h), Shard(0)), "mlp.fc1.bias": ((4 * h,), Shard(0)),
-        "mlp.fc2.weight": ((h, 4 * h), Shard(1)), "mlp.fc2.bias": ((h,), Replicate()),
-        "ln1.weight": ((h,), Replicate()), "ln1.bias": ((h,), Replicate()),
-        "ln2.weight": ((h,), Replicate()), "ln2.bias": ((h,), Replicate()),
-    }
-    meshes = {}
-
-    def layout(shape, cfg, placement, stage):
-        key = (cfg, stage)
-        if key not in meshes:
-            devices = range(stage * per_stage, (stage + 1) * per_stage)
-            meshes[key] = Mesh.from_shape(cfg, ("dp", "tp"), devices)
-        return Layout(shape, meshes[key], [Replicate(), placement])
-
-    moves = []
-    for stage, extra in ((0, {"embed.weight": ((vocab, h), Shard(0))}), (pp - 1, {"ln_f.weight": ((h,), Replicate())})):
-        for name, (shape, p) in extra.items():
-            moves.append(TensorMove(name, shape, 2, layout(shape, src, p, stage), layout(shape, dst, p, stage)))
-    for i in range(layers):
-        stage = i * pp // layers
-        for name, (shape, p) in block.items():
-            moves.append(TensorMove(f"layers.{i}.{name}", shape, 2, layout(shape, src, p, stage),
-                                    layout(shape, dst, p, stage)))
-    return moves
-
-
 def test_gpt3_175b_switch_plans_in_seconds():
-    moves = gpt3_moves()
+    moves = switch_moves("gpt3-175b", DistConfig.parse("dp=8,tp=8,pp=16"), DistConfig.parse("dp=16,tp=4,pp=16"),
+                         1024)  # Megatron layouts, 16 stages balanced by parameter count
     topology = Topology(1024, 8)
     t = time.perf_counter()
     plan = plan_switch(moves, topology)
