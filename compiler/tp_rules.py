@@ -29,6 +29,14 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, 
 _TRANSPOSE_OPS = {aten.t.default, aten.transpose.int, aten.permute.default}
 _MATMUL_OPS = {aten.mm.default, aten.addmm.default}
 _BARRIER_OPS = {aten.native_layer_norm.default, aten.embedding.default, aten.rsqrt.default}
+_SIZE_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _is_size(node: fx.Node) -> bool:
+    """A (symbolic) size rather than data: sym_size and arithmetic on sizes."""
+    return isinstance(node.meta.get("val"), _SIZE_TYPES)
+
+
 _SOFTMAX_OPS = {aten._log_softmax.default, aten._softmax.default}
 
 
@@ -96,8 +104,8 @@ def _origins(start: fx.Node, mm_param: dict[fx.Node, str], param_free: set[fx.No
         elif n.target in (aten.mean.dim, aten.sum.dim_IntList, aten.var_mean.correction, aten.var.correction) \
                 and n.args[1] and list(n.args[1])[-1] in (-1, n.args[0].meta["val"].dim() - 1):
             out.add("barrier")  # a reduction over features: a norm
-        else:
-            stack.extend(n.all_input_nodes)
+        else:  # data edges only: sizes (sym_size of a parameter or input) are not where data comes from
+            stack.extend(a for a in n.all_input_nodes if not _is_size(a))
     return out
 
 
@@ -144,19 +152,20 @@ def _feeds_softmax(mm: fx.Node) -> bool:
     return any(u.target in _SOFTMAX_OPS for u, _ in _follow_views(mm))
 
 
-def infer_tp_roles(graph: fx.Graph, param_names: list[str], tp_degrees: tuple[int, ...] = ()) -> TPRoles:
+def infer_tp_roles(graph: fx.Graph, param_names: list[str], num_buffers: int = 0) -> TPRoles:
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     params = {n: name for n, name in zip(placeholders, param_names)}
     uses = _matmul_uses(graph, params)
     mm_param = {u.node: u.param for u in uses}
     # Nodes that depend on no parameter and no user input are constants (RoPE tables, masks).
+    # Sizes (sym_size and arithmetic on them) are not data, so they count as constants too.
     param_free: set[fx.Node] = set()
     for n in graph.nodes:
         if n.op == "placeholder":
             continue
-        if n.op == "call_function" and all(a in param_free for a in n.all_input_nodes):
+        if n.op == "call_function" and (_is_size(n) or all(a in param_free for a in n.all_input_nodes)):
             param_free.add(n)
-    buffer_nodes = set(placeholders[len(param_names):])
+    buffer_nodes = set(placeholders[len(param_names): len(param_names) + num_buffers])
     # buffers (e.g. inv_freq) and their descendants without params/user inputs are constants too
     inputs_nodes = {n for n in placeholders if n not in params and n not in buffer_nodes}
     for n in graph.nodes:
@@ -228,7 +237,7 @@ def _ancestors(node: fx.Node):
             continue
         seen.add(n)
         yield n
-        stack.extend(a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor))
+        stack.extend(a for a in n.all_input_nodes if not _is_size(a))
 
 
 def heads_of(roles: TPRoles, name: str) -> int | None:

@@ -13,6 +13,7 @@ makes uneven DP splits (and ignored labels) exact.
 """
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from dataclasses import dataclass, field
@@ -65,13 +66,71 @@ class LogicGraph:
         return len(self.param_names)
 
 
-def _cse(gm: fx.GraphModule) -> fx.GraphModule:
-    """Merge identical pure nodes: q, k and v projections then view one tensor once, so the
-    compiler gathers a sequence-sharded activation once for all three (Megatron's single all-gather)."""
-    from torch.fx.passes.dialect.common.cse_pass import CSEPass
+def _decompose(gm: fx.GraphModule, flat_inputs: list) -> fx.GraphModule:
+    """Core-ATen forward graph of the exported training IR.
 
-    result = CSEPass()(gm)
-    return result.graph_module
+    One symbolic make_fx pass with our decomposition table: composite ops (matmul, linear) decompose
+    in C++ here, where `ExportedProgram.run_decompositions` runs them as Python decompositions under
+    symbolic shapes, about 6x slower. The interpreter hands every node's source line and module path on.
+    """
+    def run(*args):
+        with fx_traceback.preserve_node_meta():
+            return fx.Interpreter(gm).run(*args)
+
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        return make_fx(run, decomposition_table=decomposition_table(), tracing_mode="symbolic")(*flat_inputs)
+
+
+def _fold_static_sizes(gm: fx.GraphModule, num_static: int) -> None:
+    """Parameters' and buffers' shapes never change, but symbolic make_fx gave them symbols too:
+    replace `sym_size(param, d)` by its value so equal sizes compare equal (CSE, view shapes)."""
+    static = set([n for n in gm.graph.nodes if n.op == "placeholder"][:num_static])
+    for node in list(gm.graph.nodes):
+        if node.target is aten.sym_size.int and node.args[0] in static:
+            value = int(node.args[0].meta["val"].shape[node.args[1]])
+            for user in list(node.users):
+                user.args = torch.utils._pytree.tree_map(lambda a: value if a is node else a, user.args)
+                user.kwargs = torch.utils._pytree.tree_map(lambda a: value if a is node else a, user.kwargs)
+            gm.graph.erase_node(node)
+    gm.recompile()
+
+
+def _cse(gm: fx.GraphModule) -> fx.GraphModule:
+    """Merge identical pure nodes, size arithmetic included: q, k and v projections then view one
+    tensor once, so the compiler gathers a sequence-sharded activation once for all three
+    (Megatron's single all-gather). fx's CSEPass leaves `operator.mul` on sizes alone, and then
+    the three views differ in their size arguments."""
+    seen: dict[tuple, fx.Node] = {}
+    env: dict[fx.Node, fx.Node] = {}
+
+    def key(a):
+        if isinstance(a, fx.Node):
+            return ("node", env.get(a, a))
+        if isinstance(a, (list, tuple)):
+            return (type(a).__name__, tuple(key(x) for x in a))
+        if isinstance(a, dict):
+            return ("dict", tuple((k, key(v)) for k, v in sorted(a.items())))
+        return ("const", type(a).__name__, repr(a))
+
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or not _pure(node.target):
+            continue
+        k = (node.target, key(node.args), key(node.kwargs))
+        if k in seen:
+            node.replace_all_uses_with(seen[k])
+            env[node] = seen[k]
+            gm.graph.erase_node(node)
+        else:
+            seen[k] = node
+    gm.recompile()
+    return gm
+
+
+def _pure(target) -> bool:
+    if isinstance(target, torch._ops.OpOverload):
+        return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+    return getattr(target, "__module__", None) in ("_operator", "operator") or target in (math.floor, math.ceil)
 
 
 def _drop_identity_slices(gm: fx.GraphModule) -> None:
@@ -169,7 +228,6 @@ def trace(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int,
         # torch 2.13's own pytree use warns on every export; nothing for the user to act on
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         ep = export(model, example_inputs, dynamic_shapes=dyn_shapes, strict=False)
-        ep = ep.run_decompositions(decomposition_table())
     sig = ep.graph_signature
     if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
         raise ValueError("the model mutates buffers or inputs in forward (e.g. running statistics); "
@@ -189,8 +247,9 @@ def trace(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int,
         raise ValueError("every example input must be a tensor (pass options as module attributes, not inputs)")
 
     # The exported module: placeholders are (params, buffers, user inputs) in signature order.
-    fwd = ep.graph_module
     state = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+    fwd = _decompose(ep.graph_module, [state[n].detach() for n in param_names + buffer_names] + list(example_inputs))
+    _fold_static_sizes(fwd, len(param_names) + len(buffer_names))
     canon = {id(p): n for n, p in model.named_parameters()}
     aliases = {k: canon[id(v)] for k, v in model.named_parameters(remove_duplicate=False) if canon[id(v)] != k}
     _merge_tied(fwd, param_names, aliases)
@@ -235,6 +294,7 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffe
             functional = torch.func.functionalize(gm, remove="mutations")
             gm = make_fx(functional, tracing_mode="symbolic")([x.detach() for x in p], list(buffers), list(inputs))
     _drop_identity_slices(gm)
+    _fold_static_sizes(gm, len(params) + len(buffers))
     gm = _cse(gm)
     _normalize_reduce_dims(gm)
     return gm

@@ -78,7 +78,7 @@ class CompiledModel:
         self.logic: LogicGraph = trace(model, self._example_inputs)
         self.trace_seconds = time.perf_counter() - t0
         placeholders = [n for n in self.logic.forward.graph.nodes if n.op == "placeholder"]
-        self.roles: TPRoles = infer_tp_roles(self.logic.forward.graph, self.logic.param_names)
+        self.roles: TPRoles = infer_tp_roles(self.logic.forward.graph, self.logic.param_names, len(self.logic.buffer_names))
         del placeholders
         tensors = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
         self._full_params = {n: tensors[n].detach().clone() for n in self.logic.param_names}

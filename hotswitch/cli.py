@@ -313,6 +313,9 @@ def add_bench(subparsers) -> None:
     q.add_argument("--configs", default=None, help="semicolon-separated DistConfig specs "
                    "(default: 'dp=4;dp=2,tp=2;tp=4;tp=4,sp' scaled to --world-size)")
     q.add_argument("--repeats", type=int, default=5, help="timed runs per switch; the median is reported")
+    q.add_argument("--emulate-nodes", action="store_true", help="run each node's processes in its own network namespace, "
+                   "nodes joined by rate-limited links (needs root and iproute2), so inter-node bytes cost what they would")
+    q.add_argument("--inter-node-gbit", type=float, default=1.0, help="inter-node link rate with --emulate-nodes (default 1)")
     q.add_argument("--json", default="bench_switch.json", help="where to write the results (default bench_switch.json)")
     q.add_argument("--plot", default="bench_switch.png", help="where to draw the chart (default bench_switch.png)")
     q.set_defaults(run=run_bench_switch)
@@ -331,7 +334,8 @@ def run_bench_switch(args) -> int:
     print(f"benchmarking switches of {args.model} between {configs} on {w} processes, {args.devices_per_node} per node ...",
           flush=True)
     result = bench_switch.run(world_size=w, devices_per_node=args.devices_per_node, model=args.model, configs=configs,
-                              repeats=args.repeats, json_path=args.json, png_path=args.plot)
+                              repeats=args.repeats, json_path=args.json, png_path=args.plot,
+                              emulate_nodes=args.emulate_nodes, inter_node_gbit=args.inter_node_gbit)
     print(bench_switch.format_table(result))
     print(f"wrote {args.json} and {args.plot}")
     return 0

@@ -12,6 +12,7 @@ runs `fn` in this process only and returns its value.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing.util
 import datetime
 import math
@@ -42,10 +43,11 @@ class LaunchError(RuntimeError):
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node: int | None = None,
-           backend: str = "gloo", timeout: float | None = None) -> Any:
+           backend: str = "gloo", timeout: float | None = None, nodes=None) -> Any:
     """Call `fn(rank, *args)` on `world_size` processes in one process group; return rank 0's value.
 
-    `timeout` (seconds) bounds the whole run and every collective; None waits forever.
+    `timeout` (seconds) bounds the whole run and every collective; None waits forever. `nodes`, an
+    entered `hotswitch.netns.EmulatedNodes`, puts each node's ranks in that node's network namespace.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -59,16 +61,20 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node
         return _run_in_process(fn, args, backend, timeout)
 
     per_node = devices_per_node or world_size
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # port 0: no port race
+    master = nodes.address(0) if nodes is not None else "127.0.0.1"
+    with _in_namespace(nodes.node_namespace(0) if nodes is not None else None):  # the store listens in node 0
+        store = dist.TCPStore(master, 0, is_master=True, wait_for_workers=False)  # port 0: no port race
     ctx = mp.get_context("spawn")
     procs, readers = [], {}
     try:
         for rank in range(world_size):
             env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % per_node),
-                   "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+                   "LOCAL_WORLD_SIZE": str(per_node), "MASTER_ADDR": master, "MASTER_PORT": str(store.port),
                    "OMP_NUM_THREADS": "1"}
             if devices_per_node is not None:
                 env["HOTSWITCH_DEVICES_PER_NODE"] = str(devices_per_node)
+            if nodes is not None:
+                env.update(nodes.rank_env(rank, per_node))
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, args=(fn, args, rank, world_size, store.port, backend, timeout, writer),
                             name=f"hotswitch-rank{rank}")
@@ -144,7 +150,11 @@ def _worker(fn, args, rank, world_size, port, backend, timeout, results) -> None
     try:
         torch.set_num_threads(1)
         pg_timeout = datetime.timedelta(seconds=timeout) if timeout else None
-        store = dist.TCPStore("127.0.0.1", port, is_master=False,
+        if os.environ.get("HOTSWITCH_NETNS"):
+            from .netns import enter_namespace
+
+            enter_namespace(os.environ["HOTSWITCH_NETNS"])  # before any socket of this process
+        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, is_master=False,
                               timeout=pg_timeout or datetime.timedelta(minutes=30))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
         value = fn(rank, *args)
@@ -176,6 +186,23 @@ def _run_in_process(fn, args, backend, timeout):
         return fn(rank, *args)
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _in_namespace(name: str | None):
+    """Run the block in network namespace `name` (None: stay), then return to this one."""
+    if name is None:
+        yield
+        return
+    from .netns import _CLONE_NEWNET, enter_namespace
+
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        enter_namespace(name)
+        yield
+    finally:
+        ctypes.CDLL(None, use_errno=True).setns(home, _CLONE_NEWNET)
+        os.close(home)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,79 @@
+"""Tracing and Megatron role inference, single process: real models we did not write, and ours."""
+import pytest
+import torch
+
+from compiler.tp_rules import heads_of, infer_tp_roles
+from compiler.trace import trace
+from hotswitch.models import build_hf_model, build_model
+
+IDS = torch.randint(0, 1001, (3, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _roles(model):
+    lg = trace(model, (IDS, IDS))
+    roles = infer_tp_roles(lg.forward.graph, lg.param_names, len(lg.buffer_names))
+    return lg, roles
+
+
+def _role_of(lg, roles, suffix):
+    (name,) = [n for n in lg.param_names if n.endswith(suffix)]
+    return roles.roles[name], roles.shard_dims.get(name), heads_of(roles, name)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _roles(build_hf_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return _roles(build_hf_model("gpt2"))
+
+
+@pytest.fixture(scope="module")
+def ours():
+    return _roles(build_model("gpt-tiny", vocab_size=1001))
+
+
+def test_llama_megatron_roles(llama):
+    lg, roles = llama
+    assert lg.split_loss and lg.seq_symbol is not None
+    assert _role_of(lg, roles, "layers.0.self_attn.q_proj.weight") == ("column", 0, 4)
+    assert _role_of(lg, roles, "layers.0.self_attn.k_proj.weight") == ("column", 0, 2)  # GQA: 2 kv heads
+    assert _role_of(lg, roles, "layers.0.self_attn.o_proj.weight")[:2] == ("row", 1)
+    assert _role_of(lg, roles, "layers.1.mlp.gate_proj.weight")[:2] == ("column", 0)
+    assert _role_of(lg, roles, "layers.1.mlp.down_proj.weight")[:2] == ("row", 1)
+    assert _role_of(lg, roles, "embed_tokens.weight")[:2] == ("vocab", 0)
+    assert _role_of(lg, roles, "lm_head.weight")[0] == "replicate"  # feeds the log-softmax
+    assert _role_of(lg, roles, "layers.0.input_layernorm.weight")[0] == "replicate"
+
+
+def test_gpt2_conv1d_fused_qkv_and_tied_embedding(gpt2):
+    lg, roles = gpt2
+    assert lg.aliases == {"model.lm_head.weight": "model.transformer.wte.weight"}
+    assert "model.lm_head.weight" not in lg.param_names  # one parameter per tied tensor
+    assert _role_of(lg, roles, "h.0.attn.c_attn.weight")[0] == "replicate"  # fused q|k|v split on features
+    assert _role_of(lg, roles, "h.0.attn.c_proj.weight")[:2] == ("row", 0)  # Conv1D weight is [in, out]
+    assert _role_of(lg, roles, "h.0.mlp.c_fc.weight")[:2] == ("column", 1)
+    assert _role_of(lg, roles, "h.0.mlp.c_fc.bias")[:2] == ("column_bias", 0)
+    assert _role_of(lg, roles, "h.0.mlp.c_proj.bias")[0] == "replicate"
+    assert _role_of(lg, roles, "transformer.wte.weight")[0] == "replicate"  # tied to the head
+    assert _role_of(lg, roles, "transformer.wpe.weight")[0] == "replicate"  # positions, not tokens
+
+
+def test_our_gpt_roles_and_joint_graph(ours):
+    lg, roles = ours
+    assert _role_of(lg, roles, "layers.0.attn.v_proj.weight") == ("column", 0, 2)
+    assert _role_of(lg, roles, "layers.1.attn.o_proj.weight")[:2] == ("row", 1)
+    assert _role_of(lg, roles, "embed.weight")[:2] == ("vocab", 0)
+    outputs = next(n for n in lg.joint.graph.nodes if n.op == "output").args[0]
+    assert len(outputs) == 2 + lg.num_params  # (num, den, one gradient per parameter)
+    assert not any(n.op == "call_function" and getattr(n.target, "_schema", None) is not None
+                   and n.target._schema.is_mutable for n in lg.joint.graph.nodes)  # functional
+    forward = [n for n in lg.joint.graph.nodes if n.meta.get("nn_module_stack")]
+    assert forward and all(n.meta.get("stack_trace") for n in forward)
+
+
+def test_model_must_return_a_scalar_loss():
+    with pytest.raises(ValueError, match="scalar loss"):
+        trace(build_model("gpt-tiny", vocab_size=1001), (IDS,))
