@@ -192,7 +192,8 @@ def plot(result: dict, path: str) -> None:
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(pairs))], [f"{a}\n→{b}" for a, b in pairs], fontsize=8)
     ax.set_ylabel("switch time, ms (median)")
     ax.set_title(f"hot switch of {result['model']} ({result['parameters'] / 1e6:.0f}M params), "
-                 f"{result['world_size']} gloo processes, {result['devices_per_node']} per node")
+                 f"{result['world_size']} gloo processes, {result['devices_per_node']} per node\n"
+                 f"network {result.get('network', '?')}", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -92,4 +92,6 @@ class EmulatedNodes:
 
     def rank_env(self, rank: int, devices_per_node: int) -> dict[str, str]:
         """Environment for a rank: its node's namespace and the interface gloo must use."""
-        return {"HOTSWITCH_NETNS": self.node_namespace(rank // devices_per_node), "GLOO_SOCKET_IFNAME": INTERFACE}
+        # link-local peers have no reverse DNS: c10d would warn once per socket that it cannot name them
+        return {"HOTSWITCH_NETNS": self.node_namespace(rank // devices_per_node), "GLOO_SOCKET_IFNAME": INTERFACE,
+                "TORCH_CPP_LOG_LEVEL": "ERROR"}
