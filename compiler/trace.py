@@ -77,9 +77,18 @@ def _decompose(gm: fx.GraphModule, flat_inputs: list) -> fx.GraphModule:
         with fx_traceback.preserve_node_meta():
             return fx.Interpreter(gm).run(*args)
 
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings():
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings(), _no_duck_sizing():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         return make_fx(run, decomposition_table=decomposition_table(), tracing_mode="symbolic")(*flat_inputs)
+
+
+def _no_duck_sizing():
+    """Symbolic tracing gives equal sizes one symbol by default ("duck sizing"): a sequence of 64
+    tokens would share its symbol with a 64-wide weight and be specialized to 64 with it. Every
+    input dim gets its own symbol here; parameter dims are folded to constants afterwards."""
+    from torch.fx.experimental import _config
+
+    return _config.patch(use_duck_shape=False)
 
 
 def _fold_static_sizes(gm: fx.GraphModule, num_static: int) -> None:
@@ -286,13 +295,14 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffe
         return (*outs, *grads)
 
     p = [x.clone().requires_grad_(x.is_floating_point()) for x in params]
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), _no_duck_sizing():
         gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="symbolic")(p, list(buffers), list(inputs))
         if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in gm.graph.nodes):
             # A sharded program may not mutate (an in-place write into a view would land in a
             # redistributed copy): trace the joint graph once more, functionalized.
             functional = torch.func.functionalize(gm, remove="mutations")
-            gm = make_fx(functional, tracing_mode="symbolic")([x.detach() for x in p], list(buffers), list(inputs))
+            with _no_duck_sizing():
+                gm = make_fx(functional, tracing_mode="symbolic")([x.detach() for x in p], list(buffers), list(inputs))
     _drop_identity_slices(gm)
     _fold_static_sizes(gm, len(params) + len(buffers))
     gm = _cse(gm)

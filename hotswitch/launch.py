@@ -78,7 +78,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node
             reader, writer = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_worker, args=(fn, args, rank, world_size, store.port, backend, timeout, writer),
                             name=f"hotswitch-rank{rank}")
-            with _environ(env):  # a spawned child copies os.environ: set it before its torch import
+            with patched_environ(env):  # a spawned child copies os.environ: set it before its torch import
                 p.start()
             writer.close()
             procs.append(p)
@@ -206,7 +206,8 @@ def _in_namespace(name: str | None):
 
 
 @contextlib.contextmanager
-def _environ(values: dict[str, str]):
+def patched_environ(values: dict[str, str]):
+    """Set environment variables for the block (a spawned child copies os.environ at start)."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

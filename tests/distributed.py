@@ -85,6 +85,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from hotswitch.launch import patched_environ
 import torch.multiprocessing as mp
 from multiprocessing import connection as mp_connection
 
@@ -245,7 +247,7 @@ def run_checks(
                 name=f"dist-check-rank{rank}",
                 daemon=False,  # checks may start processes of their own; we always reap these
             )
-            with _patched_environ(rank_env):  # spawn copies os.environ: set before torch imports
+            with patched_environ(rank_env):  # spawn copies os.environ: set before torch imports
                 p.start()
             writer.close()  # the child holds its own copy; EOF on the reader = the child exited
             procs.append(p)
@@ -372,18 +374,6 @@ def _check_spec(check: Callable[[], Any]) -> tuple[str, str] | bytes:
         ) from e
 
 
-@contextlib.contextmanager
-def _patched_environ(values: dict[str, str]):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # ----------------------------------------------------------------------------------------------

@@ -77,3 +77,14 @@ def test_our_gpt_roles_and_joint_graph(ours):
 def test_model_must_return_a_scalar_loss():
     with pytest.raises(ValueError, match="scalar loss"):
         trace(build_model("gpt-tiny", vocab_size=1001), (IDS,))
+
+
+def test_sequence_stays_dynamic_when_it_equals_a_weight_dim():
+    """64 tokens and a 64-wide model: symbolic tracing must not unify (and then specialize) them."""
+    ids = torch.randint(0, 1001, (2, 64), generator=torch.Generator().manual_seed(1))
+    lg = trace(build_model("gpt-tiny", vocab_size=1001), (ids, ids))  # dim=64
+    for graph in (lg.forward.graph, lg.joint.graph):
+        inputs = [n for n in graph.nodes if n.op == "placeholder"][-2:]
+        sizes = [n.meta["val"].shape[1] for n in inputs]
+        assert all(isinstance(s, torch.SymInt) and s.node.expr.free_symbols for s in sizes), sizes  # not 64
+    assert lg.seq_symbol is not None and lg.seq_symbol.free_symbols
