@@ -77,11 +77,8 @@ class CompiledModel:
         t0 = time.perf_counter()
         self.logic: LogicGraph = trace(model, self._example_inputs)
         self.trace_seconds = time.perf_counter() - t0
-        placeholders = [n for n in self.logic.forward.graph.nodes if n.op == "placeholder"]
         self.roles: TPRoles = infer_tp_roles(self.logic.forward.graph, self.logic.param_names, len(self.logic.buffer_names))
-        del placeholders
         tensors = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
-        self._full_params = {n: tensors[n].detach().clone() for n in self.logic.param_names}
         self._buffers = [tensors[n].detach().clone() for n in self.logic.buffer_names]
         self._state_keys = list(model.state_dict().keys())
         self._states: dict[str, ConfigState] = {c.name: self._make_state(c) for c in configs}
@@ -93,8 +90,9 @@ class CompiledModel:
         for c in configs if not lazy else ():
             report(f"compiling {c.name}")
             self._train_graph(self._states[c.name], shapes)
-        self._activate(configs[0].name, self._full_params)
-        del self._full_params
+        # ranks start from identical full weights: each keeps its pieces under the first config
+        self._local = self._pieces(self._states[configs[0].name], {n: tensors[n].detach() for n in self.logic.param_names})
+        self._active = configs[0].name
 
     # ------------------------------------------------------------------------------- public surface
     @property
@@ -164,8 +162,7 @@ class CompiledModel:
 
     def shard_like_params(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's pieces of full per-parameter tensors, in the active config's layout."""
-        st = self._states[self._active]
-        return {n: self._slice(st, n, full[n]) for n in self.logic.param_names}
+        return self._pieces(self._states[self._active], full)
 
     def plan_switch(self, source: str, destination: str, algorithm: str = "greedy",
                     with_grads: bool = False, states: tuple[str, ...] = ()) -> SwitchPlan:
@@ -397,11 +394,8 @@ class CompiledModel:
     def _local_params(self) -> list[torch.Tensor]:
         return [self._local[n] for n in self.logic.param_names]
 
-    def _activate(self, name: str, full: dict[str, torch.Tensor], full_grads=None) -> None:
-        st = self._states[name]
-        self._local = {n: self._slice(st, n, full[n]) for n in self.logic.param_names}
-        self._grads = None if full_grads is None else {n: self._slice(st, n, full_grads[n]) for n in self.logic.param_names}
-        self._active = name
+    def _pieces(self, st: ConfigState, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {n: self._slice(st, n, full[n]) for n in self.logic.param_names}
 
     def _slice(self, st: ConfigState, name: str, full: torch.Tensor) -> torch.Tensor:
         spec = dt.make_spec(st.mesh, st.param_specs[name], full)
