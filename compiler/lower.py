@@ -69,7 +69,6 @@ class Decision:
     kwargs: dict = field(default_factory=dict)
     out_spec: Any = None  # spec (or tuple of specs) the op produces
     reduce_to: Any = None  # spec after the eager Partial reduction, if any
-    fallback: bool = False
 
     @property
     def spec(self):
@@ -217,13 +216,13 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
         like = specs[tensor_nodes[0]] if tensor_nodes else None
         placements = tuple(dt.Replicate() if (like is None or p.is_partial()) else p
                            for p in (like.placements if like else [dt.Replicate()] * mesh.ndim))
-        meta = _fake_run(target, args, kwargs, like)
+        meta = _fake_run(target, args, kwargs)
         spec = dt.make_spec(mesh, placements, meta)
         return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
                         want_specs=[specs[n] for n in tensor_nodes], args=args, kwargs=kwargs, out_spec=spec)
     if all(p.is_replicate() for n in tensor_nodes for p in specs[n].placements):
         # Every input whole on every rank: the op runs as on one device (masks, RoPE tables, ...).
-        return _fallback(node, mesh, specs, tensor_nodes, args, kwargs, None)
+        return _fallback(node, mesh, specs, tensor_nodes, args, kwargs)
     pinned = frozenset(i for i, n in enumerate(tensor_nodes) if n in pinned_nodes)
     error = None
     if dt.has_rule(target):
@@ -247,7 +246,7 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
     if strict:
         raise ShardingError(message)
     warnings.warn("hotswitch: " + message, stacklevel=2)
-    return _fallback(node, mesh, specs, tensor_nodes, args, kwargs, (dt.Replicate(),) * mesh.ndim)
+    return _fallback(node, mesh, specs, tensor_nodes, args, kwargs)
 
 
 def _is_fresh(node: fx.Node) -> bool:
@@ -285,21 +284,20 @@ def _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs):
     return out
 
 
-def _fallback(node, mesh, specs, tensor_nodes, args, kwargs, placements) -> Decision:
+def _fallback(node, mesh, specs, tensor_nodes, args, kwargs) -> Decision:
     """Run the op on replicated inputs (gathered first when they are not): always correct."""
     want = [dt.DTensorSpec(mesh, (dt.Replicate(),) * mesh.ndim, specs[n].tensor_meta) for n in tensor_nodes]
-    metas = _fake_run(node.target, args, kwargs, None)
+    metas = _fake_run(node.target, args, kwargs)
     make = lambda m: dt.make_spec(mesh, (dt.Replicate(),) * mesh.ndim, m) if isinstance(m, torch.Tensor) else None  # noqa: E731
     out = tuple(make(m) for m in metas) if isinstance(metas, (tuple, list)) else make(metas)
-    gathered = any(s.placements != w.placements for s, w in zip((specs[n] for n in tensor_nodes), want))
     return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes], want_specs=want,
-                    args=args, kwargs=kwargs, out_spec=out, fallback=gathered)
+                    args=args, kwargs=kwargs, out_spec=out)
 
 
 _fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _fake_run(target, args, kwargs, like):
+def _fake_run(target, args, kwargs):
     def to_fake(a):
         if isinstance(a, dt.DTensorSpec):
             return torch.empty_strided(a.shape, a.stride, dtype=a.tensor_meta.dtype)

@@ -50,11 +50,13 @@ class MatmulUse:
 
 @dataclass(frozen=True)
 class TPRoles:
-    """role per parameter: 'column' | 'row' | 'vocab' | 'replicate'; dim: the parameter dim to shard."""
+    """role per parameter: 'column' | 'column_bias' | 'row' | 'vocab' | 'replicate'; shard_dims: the
+    parameter dim to shard; heads: attention heads a column weight's output is viewed into."""
 
     roles: dict[str, str]
     shard_dims: dict[str, int]
     reasons: dict[str, str]
+    heads: dict[str, int]
 
     def placement_dim(self, name: str) -> int | None:
         return self.shard_dims.get(name) if self.roles.get(name) in ("column", "row", "vocab", "column_bias") else None
@@ -175,7 +177,7 @@ def infer_tp_roles(graph: fx.Graph, param_names: list[str], num_buffers: int = 0
             param_free.add(n)
     param_free |= buffer_nodes
 
-    roles, dims, reasons = {}, {}, {}
+    roles, dims, reasons, heads_of = {}, {}, {}, {}
     embed_users: dict[str, fx.Node] = {}
     for n in graph.nodes:
         if n.target is aten.embedding.default and n.args[0] in params:
@@ -209,7 +211,7 @@ def infer_tp_roles(graph: fx.Graph, param_names: list[str], num_buffers: int = 0
             heads = _head_count(u.node, int(features))
             if heads is not None:
                 reasons[name] += f"; {heads} heads"
-                dims[("heads", name)] = heads  # type: ignore[index]
+                heads_of[name] = heads
         if u.bias and roles[name] == "column":
             roles[u.bias], dims[u.bias], reasons[u.bias] = "column_bias", 0, f"bias of column-parallel {name}"
         elif u.bias:
@@ -226,7 +228,7 @@ def infer_tp_roles(graph: fx.Graph, param_names: list[str], num_buffers: int = 0
     for name in param_names:
         roles.setdefault(name, "replicate")
         reasons.setdefault(name, "norm, bias or other small parameter")
-    return TPRoles(roles, dims, reasons)
+    return TPRoles(roles, dims, reasons, heads_of)
 
 
 def _ancestors(node: fx.Node):
@@ -238,7 +240,3 @@ def _ancestors(node: fx.Node):
         seen.add(n)
         yield n
         stack.extend(a for a in n.all_input_nodes if not _is_size(a))
-
-
-def heads_of(roles: TPRoles, name: str) -> int | None:
-    return roles.shard_dims.get(("heads", name))  # type: ignore[call-overload]

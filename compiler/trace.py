@@ -269,18 +269,23 @@ def trace(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int,
     buffers = [state[n].detach() for n in buffer_names]
 
     joint = _make_joint(fwd, len(params), split, params, buffers, example_inputs)
-    seq_symbol = None
-    for n in joint.graph.nodes:
-        if n.op == "placeholder" and n.name.startswith("inputs"):
-            val = n.meta["val"]
-            if val.dim() >= 2 and isinstance(val.shape[1], torch.SymInt):
-                seq_symbol = val.shape[1].node.expr
-                break
     return LogicGraph(
         forward=fwd, joint=joint, param_names=param_names, buffer_names=buffer_names,
         param_shapes={n: p.shape for n, p in zip(param_names, params)},
         param_dtypes={n: p.dtype for n, p in zip(param_names, params)},
-        num_inputs=user_inputs, split_loss=split, aliases=aliases, seq_symbol=seq_symbol)
+        num_inputs=user_inputs, split_loss=split, aliases=aliases,
+        seq_symbol=seq_symbol(joint.graph, user_inputs))
+
+
+def seq_symbol(graph: fx.Graph, num_inputs: int):
+    """The symbol of the sequence dim in `graph`: dim 1 of the first model input of rank >= 2
+    (the inputs are the last `num_inputs` placeholders); None when there is none."""
+    inputs = [n for n in graph.nodes if n.op == "placeholder"][-num_inputs:]
+    for n in inputs:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() >= 2 and isinstance(val.shape[1], torch.SymInt):
+            return val.shape[1].node.expr
+    return None
 
 
 def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffers, inputs) -> fx.GraphModule:

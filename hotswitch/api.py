@@ -17,8 +17,8 @@ from torch.distributed.tensor import DTensor
 
 from compiler import _dtensor as dt
 from compiler.lower import OutputPlan, lower, propagate_graph
-from compiler.tp_rules import VIEW_OPS, TPRoles, heads_of, infer_tp_roles
-from compiler.trace import LogicGraph, trace
+from compiler.tp_rules import VIEW_OPS, TPRoles, infer_tp_roles
+from compiler.trace import LogicGraph, seq_symbol, trace
 from distconfig import DistConfig, Layout, Mesh, Topology, from_torch
 
 from .executor import SwitchStats, execute_plan
@@ -277,10 +277,10 @@ class CompiledModel:
         tp = config.tp
         dim = self.roles.placement_dim(name)
         if tp > 1 and dim is not None:
-            heads = heads_of(self.roles, name)
+            heads = self.roles.heads.get(name)
             if heads is not None and heads % tp:
                 siblings = [n for n in self.logic.param_names if n != name and n.rsplit(".", 2)[0] == name.rsplit(".", 2)[0]
-                            and (heads_of(self.roles, n) or 0) > heads and heads_of(self.roles, n) % tp == 0]
+                            and self.roles.heads.get(n, 0) > heads and self.roles.heads[n] % tp == 0]
                 if not siblings:
                     ok = [d for d in range(1, heads + 1) if heads % d == 0]
                     raise ValueError(f"config {config.name!r}: tp={tp} does not divide the {heads} attention heads of "
@@ -376,7 +376,7 @@ class CompiledModel:
         specs = self._placeholder_specs(st, self._virtual_shapes(st, shapes), self._example_inputs)
         pinned = _param_derived(graph, len(self.logic.param_names))
         sharding = propagate_graph(graph, st.mesh, specs, sp_axis=st.axis.get("tp") if st.config.sp else None,
-                                   seq_symbol=_seq_symbol(graph, self.logic.num_inputs), pinned_nodes=pinned, strict=self.strict)
+                                   seq_symbol=seq_symbol(graph, self.logic.num_inputs), pinned_nodes=pinned, strict=self.strict)
         plan = OutputPlan(split_loss=self.logic.split_loss, num_losses=2 if self.logic.split_loss else 1,
                           param_specs=tuple(specs[: len(self.logic.param_names)]) if with_grads else ())
         local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype) for s in specs]
@@ -429,16 +429,6 @@ def _param_derived(graph: fx.Graph, num_params: int) -> set[fx.Node]:
         if n.op == "call_function" and n.target in VIEW_OPS and n.args and n.args[0] in derived:
             derived.add(n)
     return derived
-
-
-def _seq_symbol(graph: fx.Graph, num_inputs: int):
-    """The symbol of the sequence dim: dim 1 of the first model input of rank >= 2."""
-    inputs = [n for n in graph.nodes if n.op == "placeholder"][-num_inputs:]
-    for n in inputs:
-        val = n.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.dim() >= 2 and isinstance(val.shape[1], torch.SymInt):
-            return val.shape[1].node.expr
-    return None
 
 
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,

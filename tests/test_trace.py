@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from compiler.tp_rules import heads_of, infer_tp_roles
+from compiler.tp_rules import infer_tp_roles
 from compiler.trace import trace
 from hotswitch.models import build_hf_model, build_model
 
@@ -17,7 +17,7 @@ def _roles(model):
 
 def _role_of(lg, roles, suffix):
     (name,) = [n for n in lg.param_names if n.endswith(suffix)]
-    return roles.roles[name], roles.shard_dims.get(name), heads_of(roles, name)
+    return roles.roles[name], roles.shard_dims.get(name), roles.heads.get(name)
 
 
 @pytest.fixture(scope="module")
