@@ -84,6 +84,7 @@ class CompiledModel:
         self._states: dict[str, ConfigState] = {c.name: self._make_state(c) for c in configs}
         self._local: dict[str, torch.Tensor] = {}
         self._grads: dict[str, torch.Tensor] | None = None
+        self.grad_dtype: torch.dtype | None = None  # gradient accumulators' dtype; None: the parameter's
         self._param_states: dict[str, dict[str, torch.Tensor]] = {}
         self._global_shapes: dict[tuple, tuple] = {}
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
@@ -199,17 +200,24 @@ class CompiledModel:
         self._global_shapes[(self._active, tuple(tuple(x.shape) for x in local))] = tuple(tuple(x.shape) for x in global_inputs)
         return local
 
-    def forward_backward(self, *local_inputs: torch.Tensor) -> torch.Tensor:
-        """Loss of the global batch; gradients (DP-reduced) accumulate on the local shards."""
+    def forward_backward(self, *local_inputs: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+        """Loss of the global batch; gradients (DP-reduced) accumulate on the local shards.
+
+        `grad_scale` multiplies this call's gradients before they are added, so that micro-batches
+        of a larger batch can be weighted by their share of its loss denominator (token count).
+        Accumulators are kept in `grad_dtype` (fp32 accumulation of bf16 gradients) when it is set.
+        """
         st = self._states[self._active]
         gm = self._train_graph(st, self._global_input_shapes(st, local_inputs))
         outs = gm(*self._local_params(), *self._buffers, *local_inputs)
         loss, grads = outs[0], outs[1:]
         if self._grads is None:
-            self._grads = {n: g.detach() for n, g in zip(self.logic.param_names, grads)}
+            self._grads = {n: g.detach().to(self.grad_dtype or g.dtype).mul_(grad_scale) if grad_scale != 1.0
+                           else g.detach().to(self.grad_dtype or g.dtype)
+                           for n, g in zip(self.logic.param_names, grads)}
         else:
             for n, g in zip(self.logic.param_names, grads):
-                self._grads[n] += g
+                self._grads[n].add_(g.detach(), alpha=grad_scale)
         return loss.detach()
 
     def __call__(self, *local_inputs: torch.Tensor) -> torch.Tensor:
@@ -223,6 +231,25 @@ class CompiledModel:
 
     def zero_grad(self) -> None:
         self._grads = None
+
+    def set_local_params(self, local: dict[str, torch.Tensor]) -> None:
+        """Replace this rank's parameter shards in the active layout (after an optimizer step)."""
+        for n in self.logic.param_names:
+            if n not in local or tuple(local[n].shape) != tuple(self._local[n].shape):
+                got = tuple(local[n].shape) if n in local else "nothing"
+                raise ValueError(f"set_local_params: {n} needs this rank's shard of shape {tuple(self._local[n].shape)} "
+                                 f"under {self._active!r}, got {got}")
+        self._local = {n: local[n] for n in self.logic.param_names}
+
+    def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors from per-parameter shards in the active layout (a collective: call on every rank)."""
+        return self._full(local)
+
+    def process_group(self, name: str, axis: str):
+        """The process group of this rank along mesh axis `axis` ('dp' or 'tp') of config `name`;
+        None when the config has no such axis (a group of one)."""
+        st = self._state(name)
+        return st.mesh.get_group(st.axis[axis]) if axis in st.axis else None
 
     @property
     def local_params(self) -> dict[str, torch.Tensor]:
@@ -300,6 +327,8 @@ class CompiledModel:
         kind, _, param = name.rpartition(":")
         if kind and kind != "grad" and kind in self._param_states:
             return self._param_states[kind][param].element_size()
+        if kind == "grad" and self._grads is not None:
+            return self._grads[param].element_size()
         return self.logic.param_dtypes[param].itemsize
 
     def _layouts(self, name: str, kinds: tuple[str, ...] = ()) -> dict[str, Layout]:
