@@ -319,12 +319,37 @@ class OutputPlan:
     param_specs: tuple  # the layout every gradient must end in (empty for a forward-only graph)
 
 
-def lower(graph: fx.Graph, sharding: GraphSharding, local_inputs: list[torch.Tensor], out_plan: OutputPlan,
+@dataclass(frozen=True)
+class StageOutputPlan:
+    """Outputs of a pipeline stage's graph (or of one micro-batch's graph under pp=1).
+
+    Values sent to a neighbouring stage (activations forward, their gradients backward) are
+    redistributed into the layout the neighbour takes them in (`sent`: output index -> spec). The
+    loss parts and the parameter gradients are returned as propagation left them (partial over the
+    data-parallel axis, some over the tensor-parallel one): the runtime sums them over the step's
+    micro-batches and reduces them once, with `lower_reduction`, the way DDP's `no_sync` defers its
+    all-reduce to the last micro-batch.
+    """
+
+    forward_outputs: tuple[int, ...]  # outputs the forward pass computes (phase tagging)
+    sent: tuple[tuple[int, Any], ...] = ()  # (output index, DTensorSpec it must end in)
+
+
+def lower(graph: fx.Graph, sharding: GraphSharding, local_inputs: list[torch.Tensor], out_plan: OutputPlan | StageOutputPlan,
           mesh: dt.DeviceMesh, bucket_bytes: int = BUCKET_BYTES) -> fx.GraphModule:
-    """Trace this rank's program: local shards in, (loss, *local grads) out, collectives as nodes."""
+    """Trace this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
+
+    With a StageOutputPlan: (outputs of the stage graph...) out, sent values in their neighbours'
+    layouts and nothing reduced over the data-parallel axis.
+    """
     decisions = sharding.decisions
 
-    _tag_phases(graph, out_plan.num_losses)
+    if isinstance(out_plan, StageOutputPlan):
+        _tag_phases(graph, out_plan.forward_outputs)
+        finish = lambda leaves: _finish_stage(leaves, sharding.output_specs, out_plan)  # noqa: E731
+    else:
+        _tag_phases(graph, out_plan.num_losses)
+        finish = lambda leaves: _finish(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes)  # noqa: E731
 
     def step(node, env, moved):
         d = decisions[node]
@@ -362,7 +387,7 @@ def lower(graph: fx.Graph, sharding: GraphSharding, local_inputs: list[torch.Ten
             elif node.op == "output":
                 leaves = [env[a] for a in pytree.tree_leaves(node.args[0])]
                 with fx_traceback.set_current_meta(node):  # tagged phase "reduce"
-                    return _finish(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes)
+                    return finish(leaves)
             else:
                 # Nodes traced here inherit the source node's meta: its phase, source line, module path.
                 with fx_traceback.set_current_meta(node):
@@ -377,10 +402,13 @@ def lower(graph: fx.Graph, sharding: GraphSharding, local_inputs: list[torch.Ten
     return gm
 
 
-def _tag_phases(graph: fx.Graph, num_losses: int) -> None:
-    """Tag nodes (meta['custom']['phase']): 'forward' if the loss depends on them, else 'backward'."""
+def _tag_phases(graph: fx.Graph, forward_outputs: int | tuple[int, ...]) -> None:
+    """Tag nodes (meta['custom']['phase']): 'forward' if the loss (the first `forward_outputs`
+    outputs, or those at the given indices) depends on them, else 'backward'."""
     out = next(n for n in graph.nodes if n.op == "output")
-    losses = pytree.tree_leaves(out.args[0])[:num_losses]
+    leaves = pytree.tree_leaves(out.args[0])
+    indices = range(forward_outputs) if isinstance(forward_outputs, int) else forward_outputs
+    losses = [leaves[i] for i in indices]
     forward: set[fx.Node] = set()
     stack = list(losses)
     while stack:
@@ -441,3 +469,39 @@ def _finish(leaves, specs, plan: OutputPlan, mesh, bucket_bytes):
         den = den.to(num.dtype)
         return (num / den, *[g / den for g in grads])
     return (losses[0], *grads)
+
+
+def _finish_stage(leaves, specs, plan: StageOutputPlan):
+    out = list(leaves)
+    for i, want in plan.sent:
+        if specs[i].placements != want.placements:
+            out[i] = dt.redistribute(out[i], specs[i], want)
+    return tuple(out)
+
+
+def lower_reduction(specs: list, plan: OutputPlan, mesh: dt.DeviceMesh, local_examples: list[torch.Tensor],
+                    bucket_bytes: int = BUCKET_BYTES) -> fx.GraphModule:
+    """The once-per-step reduction of values summed over micro-batches, as a graph of its own.
+
+    Inputs: the loss parts and gradients a StageOutputPlan left unreduced, with their `specs`;
+    outputs what the end of a training graph gives: (loss, *grads in their parameter layouts).
+    The same buckets, division by the loss denominator and redistribution as `lower` emits. A
+    pipeline stage without the loss passes only the denominator (`plan.num_losses == 1` and
+    `plan.split_loss`): it gets (den, *grads / den).
+    """
+    den_only = plan.split_loss and plan.num_losses == 1
+
+    def run(*leaves):
+        if not den_only:
+            return _finish(list(leaves), specs, plan, mesh, bucket_bytes)
+        den, *grads = _finish(list(leaves), specs, OutputPlan(False, 1, plan.param_specs), mesh, bucket_bytes)
+        return (den, *[g / den.to(g.dtype) for g in grads])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = make_fx(run, tracing_mode="fake")(*local_examples)
+    for node in gm.graph.nodes:
+        node.meta["custom"] = {**node.meta.get("custom", {}), "phase": "reduce"}
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
