@@ -17,12 +17,14 @@ from torch.distributed.tensor import DTensor
 
 from compiler import _dtensor as dt
 from compiler.lower import OutputPlan, lower, propagate_graph
+from compiler.stages import StageSplit, split_stages
 from compiler.tp_rules import VIEW_OPS, TPRoles, infer_tp_roles
 from compiler.trace import LogicGraph, seq_symbol, trace
-from distconfig import DistConfig, Layout, Mesh, Topology, from_torch
+from distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch
 
 from .executor import SwitchStats, execute_plan
 from .order import OrderPlan, plan_order
+from .pipeline import SCHEDULES, StepStats, lower_stage, reduction_for, run_step
 from .planner import PlanCache, SwitchPlan, TensorMove
 
 
@@ -39,6 +41,12 @@ class ConfigState:
     compile_seconds: dict[tuple, float] = field(default_factory=dict)
     last_shapes: tuple | None = None
     layouts: dict | None = None  # parameter name -> distconfig Layout, built on first use
+    # Pipeline parallelism (pp > 1; also micro-batches under pp = 1): `mesh` above is then this rank's
+    # stage sub-mesh (dp, tp), on which `param_specs` are placed; `full_mesh` is (pp, dp, tp).
+    full_mesh: DeviceMesh | None = None
+    stage: int = 0
+    programs: dict[tuple, object] = field(default_factory=dict)  # (local micro-batch shapes, train) -> StageProgram
+    reductions: dict[tuple, fx.GraphModule] = field(default_factory=dict)
 
 
 def _mesh_axes(config: DistConfig) -> tuple[list[str], list[int]]:
@@ -60,12 +68,10 @@ class CompiledModel:
             raise ValueError(f"config names must be unique, got {names}")
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         for c in configs:
-            if c.pp != 1:
-                raise ValueError(f"config {c.name!r} has pp={c.pp}: pipeline parallelism is not supported yet; use pp=1")
             c.check_world_size(self.world_size)
             if c.world_size != self.world_size:
                 raise ValueError(f"config {c.name!r} uses {c.world_size} of the {self.world_size} processes; "
-                                 f"every config must use all of them (set dp*tp = {self.world_size})")
+                                 f"every config must use all of them (set dp*tp*pp = {self.world_size})")
         self.strict = strict
         self.topology = topology or Topology.from_env(self.world_size)
         self._plans = PlanCache()
@@ -81,6 +87,10 @@ class CompiledModel:
         tensors = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
         self._buffers = [tensors[n].detach().clone() for n in self.logic.buffer_names]
         self._state_keys = list(model.state_dict().keys())
+        self._splits: dict[int, StageSplit] = {}  # pp -> the LogicGraph cut into pp stages
+        self._state_dtypes: dict[str, dict[str, torch.dtype]] = {}  # attached kind -> dtype per parameter
+        self.pipeline_schedule = "1f1b"  # forward_backward's default schedule for pp > 1 ("1f1b" | "gpipe")
+        self.last_step: StepStats | None = None
         self._states: dict[str, ConfigState] = {c.name: self._make_state(c) for c in configs}
         self._local: dict[str, torch.Tensor] = {}
         self._grads: dict[str, torch.Tensor] | None = None
@@ -90,7 +100,10 @@ class CompiledModel:
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
             report(f"compiling {c.name}")
-            self._train_graph(self._states[c.name], shapes)
+            if c.pp > 1:
+                self._stage_program(self._states[c.name], self._local_shapes(self._states[c.name], shapes), train=True)
+            else:
+                self._train_graph(self._states[c.name], shapes)
         # ranks start from identical full weights: each keeps its pieces under the first config
         self._local = self._pieces(self._states[configs[0].name], {n: tensors[n].detach() for n in self.logic.param_names})
         self._active = configs[0].name
@@ -105,9 +118,14 @@ class CompiledModel:
         return self._active
 
     def exec_graph(self, name: str, shapes: tuple | None = None) -> fx.GraphModule:
-        """This rank's training ExecGraph for config `name` (for the given or last-used input shapes)."""
+        """This rank's training ExecGraph for config `name` (for the given or last-used input shapes).
+
+        With pp > 1: this rank's stage's lowered joint graph for one micro-batch of the global
+        `shapes` (the gradient reduction is a separate program, run once per step)."""
         st = self._state(name)
         shapes = shapes or st.last_shapes or tuple(tuple(x.shape) for x in self._example_inputs)
+        if st.config.pp > 1:
+            return self._stage_program(st, self._local_shapes(st, tuple(tuple(s) for s in shapes)), train=True).joint
         return self._train_graph(st, tuple(tuple(s) for s in shapes))
 
     def switch(self, name: str, algorithm: str = "greedy") -> SwitchStats:
@@ -124,29 +142,43 @@ class CompiledModel:
         old = dict(self._local)
         for kind in kinds:
             old.update({f"{kind}:{n}": t for n, t in self._kind(kind).items()})
-        new, sent, received = execute_plan(plan, old, self._layouts(self._active, kinds), self._layouts(name, kinds), self.rank)
-        self._local = {n: new[n] for n in self.logic.param_names}
+        dst = self._layouts(name, kinds)
+        new, sent, received = execute_plan(plan, old, self._layouts(self._active, kinds), dst, self.rank,
+                                           dtypes={m: self._dtype(m) for m in dst})
+        # under pp > 1 a rank holds only its stage's parameters: the others are absent from `new`
+        self._local = {n: new[n] for n in self.logic.param_names if n in new}
         if self._grads is not None:
-            self._grads = {n: new[f"grad:{n}"] for n in self.logic.param_names}
+            self._grads = {n: new[f"grad:{n}"] for n in self.logic.param_names if f"grad:{n}" in new}
         for kind in self._param_states:
-            self._param_states[kind] = {n: new[f"{kind}:{n}"] for n in self.logic.param_names}
+            self._param_states[kind] = {n: new[f"{kind}:{n}"] for n in self.logic.param_names if f"{kind}:{n}" in new}
         self.last_switch = SwitchStats(self._active, st.config.name, algorithm, time.perf_counter() - t0, sent, received)
         self._active = name
         return self.last_switch
 
     def attach_state(self, kind: str, local: dict[str, torch.Tensor]) -> None:
         """Attach per-parameter state (fp32 master weights, optimizer moments, ...) given as this
-        rank's shards in the active config's layout; from now on it moves with every switch."""
+        rank's shards in the active config's layout; from now on it moves with every switch.
+
+        Under a pipeline config a rank gives only its stage's parameters' shards. When any config has
+        pp > 1 this is a collective (call on every rank): ranks learn the dtypes of shards they may
+        receive later."""
         if kind == "grad" or ":" in kind:
             raise ValueError(f"state kind {kind!r} is reserved or contains ':'; pick another name such as 'exp_avg'")
-        missing = set(self.logic.param_names) - set(local)
+        missing = set(self._local) - set(local)
         if missing:
-            raise ValueError(f"state {kind!r} lacks entries for {sorted(missing)[:3]}...: give one tensor per parameter")
-        for n in self.logic.param_names:
+            raise ValueError(f"state {kind!r} lacks entries for {sorted(missing)[:3]}...: give one tensor per parameter "
+                             "this rank holds (all of them, or under pp > 1 those of its stage)")
+        for n in self._local:
             if tuple(local[n].shape) != tuple(self._local[n].shape):
                 raise ValueError(f"state {kind!r} of {n} has shape {tuple(local[n].shape)}, but this rank's shard of the "
                                  f"parameter under {self._active!r} has shape {tuple(self._local[n].shape)}")
-        self._param_states[kind] = dict(local)
+        self._param_states[kind] = {n: local[n] for n in self._local}
+        dtypes = {n: t.dtype for n, t in self._param_states[kind].items()}
+        if any(c.pp > 1 for c in self._configs):  # a rank receiving a parameter it never held must know its dtype
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, dtypes)
+            dtypes = {n: d for g in gathered for n, d in g.items()}
+        self._state_dtypes[kind] = dtypes
 
     def state(self, kind: str) -> dict[str, torch.Tensor]:
         """This rank's shards of an attached per-parameter state, in the active layout."""
@@ -200,14 +232,25 @@ class CompiledModel:
         self._global_shapes[(self._active, tuple(tuple(x.shape) for x in local))] = tuple(tuple(x.shape) for x in global_inputs)
         return local
 
-    def forward_backward(self, *local_inputs: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+    def forward_backward(self, *local_inputs: torch.Tensor, grad_scale: float = 1.0, micro_batches: int = 1,
+                         schedule: str | None = None) -> torch.Tensor:
         """Loss of the global batch; gradients (DP-reduced) accumulate on the local shards.
 
         `grad_scale` multiplies this call's gradients before they are added, so that micro-batches
         of a larger batch can be weighted by their share of its loss denominator (token count).
         Accumulators are kept in `grad_dtype` (fp32 accumulation of bf16 gradients) when it is set.
+
+        `micro_batches=k` cuts the local batch into k micro-batches along dim 0 (torch.tensor_split
+        sizes); their gradients accumulate and the returned loss and the gradients equal one call on
+        the whole batch (loss numerators and denominators are summed, then divided once). Under
+        pp > 1 they are the pipeline's micro-batches, run in `schedule` ("1f1b" or "gpipe"; default
+        `self.pipeline_schedule`); under pp = 1 they run one after the other. Either way the
+        data-parallel gradient reduction runs once, after the last micro-batch. With pp > 1 every
+        rank returns the loss (one scalar all-reduce over the pipeline axis).
         """
         st = self._states[self._active]
+        if micro_batches != 1 or st.config.pp > 1:
+            return self._pipelined(st, local_inputs, micro_batches, schedule, grad_scale, train=True)
         gm = self._train_graph(st, self._global_input_shapes(st, local_inputs))
         outs = gm(*self._local_params(), *self._buffers, *local_inputs)
         loss, grads = outs[0], outs[1:]
@@ -223,6 +266,9 @@ class CompiledModel:
     def __call__(self, *local_inputs: torch.Tensor) -> torch.Tensor:
         """Forward only: the loss of the global batch."""
         st = self._states[self._active]
+        if st.config.pp > 1:
+            with torch.no_grad():
+                return self._pipelined(st, local_inputs, 1, None, 1.0, train=False)
         shapes = self._global_input_shapes(st, local_inputs)
         if shapes not in st.forward_graphs:
             st.forward_graphs[shapes] = self._lower(st, self.logic.forward.graph, shapes, with_grads=False)
@@ -234,21 +280,23 @@ class CompiledModel:
 
     def set_local_params(self, local: dict[str, torch.Tensor]) -> None:
         """Replace this rank's parameter shards in the active layout (after an optimizer step)."""
-        for n in self.logic.param_names:
+        for n in self._local:  # every parameter; under pp > 1 those of this rank's stage
             if n not in local or tuple(local[n].shape) != tuple(self._local[n].shape):
                 got = tuple(local[n].shape) if n in local else "nothing"
                 raise ValueError(f"set_local_params: {n} needs this rank's shard of shape {tuple(self._local[n].shape)} "
                                  f"under {self._active!r}, got {got}")
-        self._local = {n: local[n] for n in self.logic.param_names}
+        self._local = {n: local[n] for n in self._local}
 
     def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full tensors from per-parameter shards in the active layout (a collective: call on every rank)."""
         return self._full(local)
 
     def process_group(self, name: str, axis: str):
-        """The process group of this rank along mesh axis `axis` ('dp' or 'tp') of config `name`;
-        None when the config has no such axis (a group of one)."""
+        """The process group of this rank along mesh axis `axis` ('dp', 'tp', or 'pp': this rank's
+        pipeline) of config `name`; None when the config has no such axis (a group of one)."""
         st = self._state(name)
+        if axis == "pp":
+            return st.full_mesh.get_group("pp") if st.full_mesh is not None else None
         return st.mesh.get_group(st.axis[axis]) if axis in st.axis else None
 
     @property
@@ -293,11 +341,32 @@ class CompiledModel:
 
     def _make_state(self, config: DistConfig) -> ConfigState:
         names, shape = _mesh_axes(config)
-        devices = torch.tensor(config.devices or range(config.world_size)).reshape(shape)
-        mesh = DeviceMesh("cpu", devices, mesh_dim_names=tuple(names))
+        devices = torch.tensor(config.devices or range(config.world_size))
         axis = {a: i for i, a in enumerate(names)}
         specs = {n: self._param_placement(n, config, axis, len(names)) for n in self.logic.param_names}
-        return ConfigState(config, mesh, axis, specs)
+        if config.pp == 1:
+            return ConfigState(config, DeviceMesh("cpu", devices.reshape(shape), mesh_dim_names=tuple(names)), axis, specs)
+        # pp > 1: a (pp, dp, tp) mesh; stage s runs on its (dp, tp) slice, where parameters are placed
+        self._split(config.pp)  # cut the model now: a model that cannot be cut fails at compile time
+        full = DeviceMesh("cpu", devices.reshape([config.pp] + shape), mesh_dim_names=("pp", *names))
+        mesh = full[names[0]] if len(names) == 1 else full[tuple(names)]
+        return ConfigState(config, mesh, axis, specs, full_mesh=full, stage=int(full.get_coordinate()[0]))
+
+    def _split(self, pp: int) -> StageSplit:
+        """The LogicGraph cut into `pp` pipeline stages (pure and deterministic: the same on every rank)."""
+        if pp not in self._splits:
+            if not self.logic.split_loss:
+                raise ValueError(f"pp={pp}: pipeline stages weight micro-batches by their token counts, so the model must "
+                                 "return its loss as a sum divided by a count (e.g. F.cross_entropy(..., "
+                                 "reduction='mean') or loss_sum / num_tokens); use pp=1 for this model")
+            self._splits[pp] = split_stages(self.logic, pp)
+        return self._splits[pp]
+
+    def _held(self, st: ConfigState) -> list[str]:
+        """The parameters this rank holds a piece of under `st`: all, or under pp > 1 its stage's."""
+        if st.full_mesh is None:
+            return list(self.logic.param_names)
+        return list(self._splits[st.config.pp].stages[st.stage].param_names)
 
     def _param_placement(self, name: str, config: DistConfig, axis: dict[str, int], ndim: int) -> tuple:
         placements = [dt.Replicate()] * ndim
@@ -324,16 +393,31 @@ class CompiledModel:
 
     def _itemsize(self, name: str) -> int:
         """Bytes per element of a switched tensor ('param' or 'kind:param')."""
+        return self._dtype(name).itemsize
+
+    def _dtype(self, name: str) -> torch.dtype:
+        """The dtype of a switched tensor ('param' or 'kind:param'), the same on every rank (also on
+        ranks that hold no piece of it under pp > 1: planning must agree everywhere)."""
         kind, _, param = name.rpartition(":")
         if kind and kind != "grad" and kind in self._param_states:
-            return self._param_states[kind][param].element_size()
+            if param in self._state_dtypes.get(kind, {}):
+                return self._state_dtypes[kind][param]
+            return self._param_states[kind][param].dtype
         if kind == "grad" and self._grads is not None:
-            return self._grads[param].element_size()
-        return self.logic.param_dtypes[param].itemsize
+            if param in self._grads:
+                return self._grads[param].dtype
+            return self.grad_dtype or self.logic.param_dtypes[param]
+        return self.logic.param_dtypes[param]
 
     def _layouts(self, name: str, kinds: tuple[str, ...] = ()) -> dict[str, Layout]:
         """distconfig Layouts of every parameter (and of each state kind, same layout) under `name`."""
         st = self._states[name]
+        if st.layouts is None and st.full_mesh is not None:
+            # pp > 1: a parameter lives only on its stage's (dp, tp) sub-mesh of the (pp, dp, tp) mesh
+            split = self._splits[st.config.pp]
+            meshes = [Mesh(grid.tolist(), tuple(st.mesh.mesh_dim_names)) for grid in st.full_mesh.mesh]
+            st.layouts = {n: Layout(tuple(self.logic.param_shapes[n]), meshes[split.stage_of(n)],
+                                    tuple(from_torch(p) for p in st.param_specs[n])) for n in self.logic.param_names}
         if st.layouts is None:
             mesh = Mesh(st.mesh.mesh.tolist(), tuple(st.mesh.mesh_dim_names))
             st.layouts = {n: Layout(tuple(self.logic.param_shapes[n]), mesh, tuple(from_torch(p) for p in st.param_specs[n]))
@@ -424,7 +508,7 @@ class CompiledModel:
         return [self._local[n] for n in self.logic.param_names]
 
     def _pieces(self, st: ConfigState, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {n: self._slice(st, n, full[n]) for n in self.logic.param_names}
+        return {n: self._slice(st, n, full[n]) for n in self._held(st)}
 
     def _slice(self, st: ConfigState, name: str, full: torch.Tensor) -> torch.Tensor:
         spec = dt.make_spec(st.mesh, st.param_specs[name], full)
@@ -434,6 +518,8 @@ class CompiledModel:
 
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         st = self._states[self._active]
+        if st.full_mesh is not None:
+            return self._gather(local)
         out = {}
         for n in self.logic.param_names:
             placements = st.param_specs[n]
@@ -444,6 +530,100 @@ class CompiledModel:
             stride = torch.empty(shape, device="meta").stride()
             out[n] = DTensor.from_local(local[n], st.mesh, placements, run_check=False, shape=shape, stride=stride).full_tensor()
         return out
+
+
+    # ------------------------------------------------------------------ pipeline parallelism, micro-batches
+    def _gather(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Full tensors on every rank from pieces that live on pipeline stages' sub-meshes: a switch
+        plan into a layout where every rank holds everything, run by the executor (one batched
+        exchange). A collective: call on every rank."""
+        mine = {n: str(t.dtype).removeprefix("torch.") for n, t in local.items()}
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, mine)  # ranks without a piece learn the dtype
+        dtypes = {n: getattr(torch, d) for g in gathered for n, d in g.items()}
+        src = self._layouts(self._active)
+        everyone = Mesh(list(range(self.world_size)), ("world",))
+        dst = {n: Layout(tuple(self.logic.param_shapes[n]), everyone, (Replicate(),)) for n in self.logic.param_names}
+        key = tuple(sorted((n, d.itemsize) for n, d in dtypes.items()))
+        plan = self._plans.get((self._active, "pieces"), ("everyone", key), lambda: [
+            TensorMove(n, tuple(self.logic.param_shapes[n]), dtypes[n].itemsize, src[n], dst[n]) for n in self.logic.param_names],
+            self.topology)
+        new, _, _ = execute_plan(plan, local, src, dst, self.rank, dtypes=dtypes)
+        return {n: t.clone() if t is local.get(n) else t for n, t in new.items()}
+
+    def _local_shapes(self, st: ConfigState, shapes: tuple) -> tuple:
+        """This rank's rows of a global batch of `shapes` (its data-parallel part)."""
+        dp, index = st.config.dp, self._coordinate(st, "dp")
+        return tuple((_split_size(s[0], dp, index), *s[1:]) for s in shapes)
+
+    def _stage_program(self, st: ConfigState, local_shapes: tuple, train: bool):
+        key = (tuple(tuple(s) for s in local_shapes), train)
+        if key not in st.programs:
+            stage = self._split(st.config.pp).stages[st.stage] if st.full_mesh is not None else None
+            program = lower_stage(self.logic, stage, st, self._buffers, key[0], [x.dtype for x in self._example_inputs],
+                                  train=train, strict=self.strict)
+            st.programs[key] = program
+            st.compile_seconds[("stage",) + key] = program.seconds
+        return st.programs[key]
+
+    def _pipelined(self, st: ConfigState, local_inputs, micro_batches, schedule, grad_scale: float, train: bool):
+        """One step as micro-batches (and pipeline stages): see forward_backward and hotswitch.pipeline."""
+        k = micro_batches
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"micro_batches must be a positive int, got {k!r}")
+        schedule = schedule or self.pipeline_schedule
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
+        if len(local_inputs) != self.logic.num_inputs:
+            raise ValueError(f"the model takes {self.logic.num_inputs} inputs, got {len(local_inputs)}")
+        batch = torch.tensor([local_inputs[0].shape[0]])
+        if k > 1:  # ranks' batches differ (uneven data parallelism): all must refuse, or none
+            dist.all_reduce(batch, op=dist.ReduceOp.MIN)
+        if batch.item() < k:
+            raise ValueError(f"a batch of {batch.item()} rows (the smallest data-parallel part) cannot be cut into {k} "
+                             f"micro-batches: use micro_batches <= {batch.item()} or a larger batch")
+        if not self.logic.split_loss:
+            raise ValueError("micro-batches are weighted by their token counts, so the model must return its loss as a "
+                             "sum divided by a count (e.g. a mean cross-entropy); call with micro_batches=1")
+        pp = st.config.pp
+        micro = list(zip(*(x.tensor_split(k, dim=0) for x in local_inputs)))
+        programs = [self._stage_program(st, tuple(tuple(x.shape) for x in mb), train) for mb in micro]
+        assert all(p.deferred_specs[i].placements == programs[0].deferred_specs[i].placements
+                   for p in programs for i in range(len(p.deferred_specs))), "micro-batch shapes changed a gradient's layout"
+        held = self._held(st)
+        prev_rank = next_rank = None
+        if st.full_mesh is not None:
+            grid = st.full_mesh.mesh.reshape(pp, -1)
+            pos = (grid[st.stage] == self.rank).nonzero()[0].item()
+            prev_rank = int(grid[st.stage - 1][pos]) if st.stage > 0 else None
+            next_rank = int(grid[st.stage + 1][pos]) if st.stage < pp - 1 else None
+        sums, stats = run_step(programs, [self._local[n] for n in held], self._buffers, micro, stage=st.stage,
+                               num_stages=pp, prev_rank=prev_rank, next_rank=next_rank, schedule=schedule,
+                               accumulate_dtype=self.grad_dtype if train else None)
+        self.last_step = stats
+        loss = torch.zeros(())
+        if train or programs[0].is_last:
+            outs = reduction_for(st, programs[0], sums)(*sums)
+            if programs[0].is_last:
+                loss = outs[0].detach()
+            if train:
+                self._add_grads(dict(zip(held, outs[1:])), grad_scale)
+        if st.full_mesh is not None:  # every rank returns the loss: the last stage has it
+            loss = loss.to(torch.float32 if not loss.is_floating_point() else loss.dtype)
+            dist.all_reduce(loss, group=st.full_mesh.get_group("pp"))
+        return loss
+
+    def _add_grads(self, grads: dict[str, torch.Tensor], grad_scale: float) -> None:
+        """Accumulate reduced gradients (in their parameter layouts) as forward_backward does."""
+        if self._grads is None:
+            self._grads = {}
+        for n, g in grads.items():
+            g = g.detach()
+            if n not in self._grads:
+                self._grads[n] = g.to(self.grad_dtype or g.dtype, copy=True).mul_(grad_scale) if grad_scale != 1.0 \
+                    else g.to(self.grad_dtype or g.dtype, copy=True)
+            else:
+                self._grads[n].add_(g, alpha=grad_scale)
 
 
 def _split_size(n: int, parts: int, index: int) -> int:

@@ -70,8 +70,14 @@ def _volume(t: Transfer) -> int:
 
 
 def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, Layout], dst: dict[str, Layout],
-                 rank: int, group=None, backend: str = "auto") -> tuple[dict[str, torch.Tensor], int, int]:
-    """Move `old` (this rank's source shards) into new destination shards; returns (new, sent, received)."""
+                 rank: int, group=None, backend: str = "auto",
+                 dtypes: dict[str, torch.dtype] | None = None) -> tuple[dict[str, torch.Tensor], int, int]:
+    """Move `old` (this rank's source shards) into new destination shards; returns (new, sent, received).
+
+    `new` has an entry for every tensor whose destination layout includes this rank (and none for
+    the others: under pipeline parallelism a rank holds only its stage's parameters). `dtypes` gives
+    the dtype of tensors this rank does not hold yet (default: float32).
+    """
     new: dict[str, torch.Tensor] = {}
     error: BaseException | None = None
     sends: list[tuple[int, torch.Tensor]] = []
@@ -85,7 +91,8 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
             if name in old and name not in written and src[name].mesh.contains(rank) and src[name].box(rank) == layout.box(rank):
                 new[name] = old[name]  # same piece, nothing arrives: share it (the old state is never written)
             else:
-                new[name] = torch.empty(layout.local_shape(rank), dtype=old[name].dtype if name in old else torch.float32)
+                dtype = old[name].dtype if name in old else (dtypes or {}).get(name, torch.float32)
+                new[name] = torch.empty(layout.local_shape(rank), dtype=dtype)
         for t in plan.local_copies_of(rank):
             if new[t.tensor] is old.get(t.tensor):
                 continue
