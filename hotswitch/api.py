@@ -291,6 +291,11 @@ class CompiledModel:
         """Full tensors from per-parameter shards in the active layout (a collective: call on every rank)."""
         return self._full(local)
 
+    def layouts(self, name: str) -> dict[str, Layout]:
+        """{parameter name: distconfig Layout} under config `name` (pure: no communication)."""
+        self._state(name)
+        return self._layouts(name)
+
     def process_group(self, name: str, axis: str):
         """The process group of this rank along mesh axis `axis` ('dp', 'tp', or 'pp': this rank's
         pipeline) of config `name`; None when the config has no such axis (a group of one)."""
@@ -307,9 +312,12 @@ class CompiledModel:
     def local_grads(self) -> dict[str, torch.Tensor] | None:
         return None if self._grads is None else dict(self._grads)
 
-    def full_state_dict(self, canonical: bool = False) -> dict[str, torch.Tensor]:
-        """{name: full tensor}, the keys of model.state_dict() (tied weights under every name)."""
-        full = self._full(self._local)
+    def full_state_dict(self, canonical: bool = False, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """{name: full tensor}, the keys of model.state_dict() (tied weights under every name).
+
+        `params` replaces the active weights by other shards in the active layout (e.g. fp32 masters).
+        """
+        full = self._full(self._local if params is None else params)
         if canonical:
             return full
         out = {}

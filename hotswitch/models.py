@@ -6,6 +6,7 @@ models are written in; Hugging Face models are covered by `HFCausalLMLoss`.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -93,7 +94,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.rope = cfg.position == "rope"
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -105,7 +106,10 @@ class Attention(nn.Module):
             rep = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # [B, 1, T, T] bool, True = attend (causal and, for packed rows, within one sequence)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -130,14 +134,18 @@ class Block(nn.Module):
         self.attn_norm, self.attn = Norm(cfg.dim, cfg.norm), Attention(cfg)
         self.mlp_norm, self.mlp = Norm(cfg.dim, cfg.norm), MLP(cfg)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class GPT(nn.Module):
     """Causal LM. `forward(input_ids, labels)` returns the mean next-token cross-entropy
-    (labels are the targets already aligned with `input_ids`; -100 is ignored), or logits without labels."""
+    (labels are the targets already aligned with `input_ids`; -100 is ignored), or logits without labels.
+
+    `position_ids` ([B, T]) and a boolean `attention_mask` ([B, 1, T, T], True = attend) let a row
+    hold several packed sequences, as Hugging Face models take them.
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -159,16 +167,19 @@ class GPT(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids, labels=None):
+    def forward(self, input_ids, labels=None, position_ids=None, attention_mask=None):
         t = input_ids.shape[1]
         x = self.embed(input_ids)
         cos = sin = None
+        positions = torch.arange(t, device=input_ids.device) if position_ids is None else position_ids
         if self.cfg.position == "learned":
-            x = x + self.pos_embed(torch.arange(t, device=input_ids.device))
+            x = x + self.pos_embed(positions)
         else:
             cos, sin = rope_tables(t, self.cfg.dim // self.cfg.n_heads, input_ids.device)
+            if position_ids is not None:  # [B, 1, T, head_dim]: per-row positions, broadcast over heads
+                cos, sin = F.embedding(position_ids, cos).unsqueeze(1), F.embedding(position_ids, sin).unsqueeze(1)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, attention_mask)
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
@@ -198,6 +209,56 @@ class HFCausalLMLoss(nn.Module):
     def forward(self, input_ids, labels):
         logits = self.model(input_ids=input_ids, use_cache=False).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool mask, True = attend: causal, and only within one packed sequence.
+
+    A sequence starts where its position is 0 (positions restart per sequence), so a padding token
+    with position 0 is a sequence of its own and still attends to itself (no all-masked row).
+    """
+    doc = (position_ids == 0).cumsum(dim=1)
+    same_doc = doc.unsqueeze(2) == doc.unsqueeze(1)
+    idx = torch.arange(position_ids.shape[1], device=position_ids.device)
+    causal = idx.unsqueeze(1) >= idx.unsqueeze(0)
+    return (same_doc & causal).unsqueeze(1)
+
+
+class PackedCausalLMLoss(nn.Module):
+    """Any causal LM as the loss the trainer compiles: forward(input_ids, position_ids, labels).
+
+    The model's forward takes `input_ids` (and `position_ids`, `attention_mask`) and returns logits
+    or an object with `.logits` (Hugging Face). Rows may hold several sequences: positions restart
+    per sequence and the attention mask keeps each within its own. The loss is written as
+    `sum of token losses / number of target tokens`, which the tracer splits so that micro-batches
+    and uneven data-parallel shards can be weighted by their token counts exactly.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        params = inspect.signature(model.forward).parameters
+        self.takes_positions = "position_ids" in params
+        self.takes_mask = "attention_mask" in params
+        self.takes_cache = "use_cache" in params
+
+    @property
+    def can_pack(self) -> bool:
+        """Packing several sequences per row needs both restartable positions and a mask."""
+        return self.takes_positions and self.takes_mask
+
+    def forward(self, input_ids, position_ids, labels):
+        kwargs = {}
+        if self.takes_positions:
+            kwargs["position_ids"] = position_ids
+        if self.takes_mask:
+            kwargs["attention_mask"] = document_causal_mask(position_ids)
+        if self.takes_cache:
+            kwargs["use_cache"] = False
+        out = self.model(input_ids=input_ids, **kwargs)
+        logits = out.logits if hasattr(out, "logits") else out
+        token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        return token_loss / (labels != -100).sum()
 
 
 def build_hf_model(kind: str, vocab_size: int = 1001, **overrides) -> HFCausalLMLoss:

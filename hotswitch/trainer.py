@@ -1,0 +1,448 @@
+"""Mixed-length training with hot switching (HotSPa's job, without its defects).
+
+One `Trainer.step(global_batch)`:
+1. splits the batch's sequences into length buckets and packs each bucket's rows (`data`);
+2. gives each bucket a config: the user's, or the cost model's choice (`cost_model`), which
+   profiles each config at each bucket length once and keeps to a per-rank memory budget;
+3. visits the configs in the planner's cheapest cycle from the base config (`order`): in each it
+   runs its buckets' micro-batches, accumulating gradients weighted by their target-token counts,
+   and switches weights and accumulated gradients to the next; back in the base it adds the base's
+   own buckets and runs AdamW on the fp32 masters, which, with the optimizer states, live only in
+   the base config (optionally ZeRO-1 sharded over the base's data-parallel ranks).
+
+The step equals a single-device AdamW step on the same global batch with loss = mean next-token
+cross-entropy over all of the batch's target tokens.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from compiler.memory import estimate_peak_bytes
+from distconfig import DistConfig, Topology
+
+from . import data as D
+from .api import CompiledModel
+from .api import compile as hs_compile
+from .cost_model import BucketDemand, CostModel, Probe
+from .models import PackedCausalLMLoss
+
+
+@dataclass(frozen=True)
+class BucketReport:
+    lengths: tuple[int, int]  # (low, high]: sequence lengths in the bucket
+    config: str
+    sequences: int
+    micro_batches: int
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SwitchReport:
+    source: str
+    destination: str
+    bytes: int  # sent by all ranks together
+    seconds: float  # the slowest rank
+    with_grads: bool
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    loss: float  # mean next-token cross-entropy over the batch's target tokens
+    tokens: int  # tokens of the global batch
+    target_tokens: int
+    seconds: float  # the whole step (profiling and first-use compilation excluded, reported apart)
+    buckets: tuple[BucketReport, ...]
+    switches: tuple[SwitchReport, ...]
+    optimizer_seconds: float
+    profile_seconds: float = 0.0
+    compile_seconds: float = 0.0
+
+    @property
+    def switch_seconds(self) -> float:
+        return sum(s.seconds for s in self.switches)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else math.inf
+
+    @property
+    def switch_share(self) -> float:
+        """Fraction of the step spent switching."""
+        return self.switch_seconds / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        """One log line: loss, throughput, switching, config per bucket."""
+        buckets = " ".join(f"({b.lengths[0]},{b.lengths[1]}]:{b.config}x{b.micro_batches}" for b in self.buckets)
+        return (f"step {self.step} loss {self.loss:.4f} tokens {self.tokens} {self.tokens_per_second:,.0f} tok/s "
+                f"step {self.seconds:.3f}s switch {self.switch_seconds:.3f}s ({100 * self.switch_share:.1f}%) {buckets}")
+
+
+@dataclass(frozen=True)
+class AdamWConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+    @classmethod
+    def from_dict(cls, spec: dict | None) -> AdamWConfig:
+        spec = dict(spec or {})
+        name = spec.pop("name", "adamw")
+        if str(name).lower() != "adamw":
+            raise ValueError(f"optimizer {name!r} is not supported; use dict(name='adamw', lr=..., betas=..., "
+                             "eps=..., weight_decay=...)")
+        unknown = set(spec) - {"lr", "betas", "eps", "weight_decay"}
+        if unknown:
+            raise ValueError(f"unknown AdamW options {sorted(unknown)}; accepted: lr, betas, eps, weight_decay")
+        if "betas" in spec:
+            spec["betas"] = tuple(spec["betas"])
+        return cls(**spec)
+
+
+def default_base(configs: Sequence[DistConfig]) -> DistConfig:
+    """The most model-parallel config: it needs the least memory for masters and optimizer states."""
+    return max(configs, key=lambda c: (c.tp * c.pp, c.sp, -c.dp))
+
+
+class Trainer:
+    """Hot-switched mixed-length training of a causal LM on the current process group.
+
+    `model`: a causal LM whose forward takes `input_ids` (and `position_ids`, `attention_mask`) and
+    returns logits or an object with `.logits` (e.g. a Hugging Face `LlamaForCausalLM`), with the
+    same weights on every rank. `configs`: DistConfigs (or "dp=2,tp=2" strings) over all ranks.
+    `memory_budget_bytes`: per-rank cap on the estimated peak (None: no cap).
+
+    Options: `base` (config holding masters and optimizer; default the most model-parallel),
+    `buckets` (length bounds; default from the first batch's length distribution, `num_buckets`
+    of them), `bucket_configs` (one config name per bucket, skipping the cost model),
+    `micro_batch_tokens` (tokens per data-parallel replica per micro-batch), `compute_dtype`
+    (default float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks),
+    `progress(message)` for long phases, `strict` (default False: an op DTensor cannot shard at
+    some micro-batch shape, e.g. GQA's head regrouping with one row under tp > kv heads, runs
+    replicated with a warning instead of failing; results stay exact). Call `step` with the same
+    global batch on every rank.
+    """
+
+    def __init__(self, model: nn.Module, configs, optimizer: dict | None = None, memory_budget_bytes: int | None = None,
+                 *, base: str | None = None, buckets: Sequence[int] | None = None, num_buckets: int | None = None,
+                 bucket_configs: Sequence[str] | None = None, micro_batch_tokens: int = 2048,
+                 compute_dtype: torch.dtype | None = None, zero1: bool = False, length_multiple: int = 16,
+                 profile_repeats: int = 3, strict: bool = False, topology: Topology | None = None,
+                 progress: Callable[[str], None] | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("hotswitch.Trainer needs torch.distributed: call dist.init_process_group first "
+                               "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
+        self.configs = tuple(c if isinstance(c, DistConfig) else DistConfig.parse(c) for c in configs)
+        if not self.configs:
+            raise ValueError("configs is empty: give at least one DistConfig, e.g. ['dp=4', 'tp=4,sp']")
+        names = [c.name for c in self.configs]
+        self.base = base or default_base(self.configs).name
+        if self.base not in names:
+            raise ValueError(f"base config {self.base!r} is not among the configs {names}")
+        self.adamw = AdamWConfig.from_dict(optimizer)
+        if micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
+        self.micro_batch_tokens = micro_batch_tokens
+        self.zero1 = zero1
+        self.profile_repeats = profile_repeats
+        sp_degrees = [c.tp for c in self.configs if c.sp]
+        self.length_multiple = math.lcm(length_multiple, *sp_degrees) if sp_degrees else length_multiple
+        self._report = progress or (lambda message: None)
+        self._num_buckets = num_buckets or len(self.configs)
+        self._boundaries: tuple[int, ...] | None = None
+        if buckets is not None:
+            self._boundaries = tuple(sorted({int(b) for b in buckets}))
+            if bucket_configs is not None and len(bucket_configs) != len(self._boundaries):
+                raise ValueError(f"bucket_configs names {len(bucket_configs)} configs for {len(self._boundaries)} buckets "
+                                 f"{self._boundaries}: give one config per bucket")
+        elif bucket_configs is not None:
+            raise ValueError("bucket_configs needs explicit `buckets` (one config per bucket bound)")
+        for name in bucket_configs or ():
+            if name not in names:
+                raise ValueError(f"bucket_configs names {name!r}, which is not among the configs {names}")
+        self.bucket_configs = tuple(bucket_configs) if bucket_configs is not None else None
+
+        self.compute_dtype = compute_dtype or torch.float32
+        first_param = next(model.parameters())
+        masters_fp32 = {n: p.detach().float() for n, p in model.named_parameters(remove_duplicate=False)}
+        if first_param.dtype != self.compute_dtype:
+            import copy
+
+            model = copy.deepcopy(model).to(self.compute_dtype)
+        self.vocab_size = _vocab_size(model)
+        self.loss_module = PackedCausalLMLoss(model)
+        self.pack = self.loss_module.can_pack
+        example = _example_inputs(2, self.length_multiple)
+        self._report("tracing the model")
+        self.cm: CompiledModel = hs_compile(self.loss_module, example, self.configs, lazy=True, topology=topology,
+                                            strict=strict)
+        self.cm.grad_dtype = torch.float32
+        self.cost = CostModel(memory_budget_bytes)
+        self.step_count = 0
+        self.cm.switch(self.base)
+        self._init_optimizer({n: masters_fp32[n.removeprefix("model.")] for n in self.cm.logic.param_names})
+
+    # ------------------------------------------------------------------------------------ training
+    def step(self, global_batch) -> StepReport:
+        sequences = D.validate_batch(global_batch, self.vocab_size)
+        lengths = [s.numel() for s in sequences]
+        buckets = D.make_buckets(lengths, self._bucket_bounds(lengths)) if self.pack else self._unpacked(lengths)
+        demands = [BucketDemand(b.high, len(b.rows)) for b in buckets]
+        compile_before = self._compile_seconds()
+        profile_seconds = 0.0
+        if self.bucket_configs is None:
+            t0 = time.perf_counter()
+            self.profile(sorted({d.length for d in demands}))
+            profile_seconds = time.perf_counter() - t0
+            chosen = self.cost.assign(demands, [c.name for c in self.configs], self._cycle_seconds)
+        else:
+            chosen = [self.bucket_configs[self._boundaries.index(b.high)] for b in buckets]
+        total_targets = sum(max(n - 1, 0) for n in lengths)
+        if total_targets == 0:
+            raise ValueError("the global batch has no next-token targets (every sequence has one token)")
+
+        for k, bucket in enumerate(buckets):  # compile first use of a shape outside the timed step
+            config = self._config(chosen[k])
+            rows = self.rows_per_micro_batch(config, bucket.high)
+            self.cm.exec_graph(config.name, ((rows, bucket.high),) * 3)
+        compile_seconds = self._compile_seconds() - compile_before
+
+        t_step = time.perf_counter()
+        order = self.cm.plan_order(sorted(set(chosen) | {self.base}, key=[c.name for c in self.configs].index), base=self.base)
+        visits = list(order.order[1:]) + [self.base]
+        loss = 0.0
+        bucket_seconds = [0.0] * len(buckets)
+        bucket_micro = [0] * len(buckets)
+        switches = []
+        for config in visits:
+            if config != self.cm.active:
+                with_grads = self.cm.local_grads is not None
+                stats = self.cm.switch(config)
+                switches.append((stats.source, stats.destination, stats.bytes_sent, stats.seconds, with_grads))
+            for k, bucket in enumerate(buckets):
+                if chosen[k] != config:
+                    continue
+                t0 = time.perf_counter()
+                rows = self.rows_per_micro_batch(self._config(config), bucket.high)
+                for mb in D.micro_batches(sequences, bucket, rows):
+                    bucket_micro[k] += 1
+                    if mb.target_tokens == 0:
+                        continue  # only one-token sequences: nothing to predict, nothing to add
+                    weight = mb.target_tokens / total_targets
+                    local = self.cm.shard_inputs(*mb.inputs)
+                    loss += float(self.cm.forward_backward(*local, grad_scale=weight)) * weight
+                bucket_seconds[k] += time.perf_counter() - t0
+        assert self.cm.active == self.base
+        t0 = time.perf_counter()
+        self._optimizer_step()
+        optimizer_seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - t_step
+        self.step_count += 1
+
+        # one agreement so every rank reports the same numbers: slowest rank's times, all ranks' bytes
+        times = torch.tensor([seconds, optimizer_seconds, *bucket_seconds, *(s[3] for s in switches)], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        sent = torch.tensor([s[2] for s in switches] or [0], dtype=torch.float64)
+        dist.all_reduce(sent)
+        times = times.tolist()
+        nb = len(buckets)
+        return StepReport(
+            step=self.step_count, loss=loss, tokens=sum(lengths), target_tokens=total_targets,
+            seconds=times[0], optimizer_seconds=times[1],
+            buckets=tuple(BucketReport((b.low, b.high), chosen[k], len(b.sequences), bucket_micro[k],
+                                       sum(lengths[i] for i in b.sequences), times[2 + k]) for k, b in enumerate(buckets)),
+            switches=tuple(SwitchReport(s[0], s[1], int(sent[i]), times[2 + nb + i], s[4]) for i, s in enumerate(switches)),
+            profile_seconds=profile_seconds, compile_seconds=compile_seconds)
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        return self.cost.memory_budget_bytes
+
+    @memory_budget_bytes.setter
+    def memory_budget_bytes(self, value: int | None) -> None:
+        """Change the per-rank budget; later steps choose configs under it (profiles are kept)."""
+        self.cost.memory_budget_bytes = value
+
+    def rows_per_micro_batch(self, config: DistConfig, length: int) -> int:
+        """Rows of one micro-batch: `micro_batch_tokens` per data-parallel replica, at least one row each."""
+        return config.dp * max(1, self.micro_batch_tokens // length)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights under the keys of the model's state_dict (a collective: every rank)."""
+        full = self.cm.full_state_dict(params=self._master_shards())
+        return {k.removeprefix("model."): v for k, v in full.items()}
+
+    # ----------------------------------------------------------------------------------- profiling
+    def profile(self, lengths: Sequence[int]) -> list[Probe]:
+        """Measure every config at each length not yet profiled (a collective: every rank).
+
+        Each config's ExecGraph for a micro-batch of that length is compiled; its peak memory per
+        rank is estimated from the graph; configs within the budget are timed (forward+backward,
+        median of `profile_repeats` runs after a warm-up, slowest rank). Starts and ends in the base.
+        """
+        todo = [(c, L) for c in self.configs for L in lengths if not self.cost.has(c.name, L)]
+        if not todo:
+            return []
+        assert self.cm.local_grads is None, "profile between steps: it discards gradients"
+        probes = []
+        for config in self.configs:
+            for length in [L for c, L in todo if c is config]:
+                if self.cm.active != config.name:
+                    self.cm.switch(config.name)
+                self._report(f"profiling {config.name} at length {length}")
+                probes.append(self._probe(config, length))
+                self.cost.add(probes[-1])
+        self.cm.switch(self.base)
+        return probes
+
+    def _probe(self, config: DistConfig, length: int) -> Probe:
+        rows = self.rows_per_micro_batch(config, length)
+        inputs = _example_inputs(rows, length, seed=length)
+        gm = self.cm.exec_graph(config.name, tuple(tuple(x.shape) for x in inputs))
+        state = self.state_bytes(config.name)
+        need = torch.tensor([state + estimate_peak_bytes(gm)], dtype=torch.float64)
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)
+        peak = int(need.item())
+        probe = Probe(config.name, length, rows, None, peak, state)
+        if not probe.fits(self.memory_budget_bytes):
+            return probe  # never run what would not fit
+        local = self.cm.shard_inputs(*inputs)
+        times = []
+        for i in range(self.profile_repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            self.cm.forward_backward(*local)
+            if i:
+                times.append(time.perf_counter() - t0)
+        self.cm.zero_grad()
+        seconds = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        return Probe(config.name, length, rows, float(seconds.item()), peak, state)
+
+    def state_bytes(self, name: str) -> int:
+        """Resident bytes per rank under config `name` (the largest over ranks): compute weights and
+        fp32 gradient accumulators; in the base also fp32 masters (unless they are the weights) and
+        AdamW's two moments (divided over dp ranks with ZeRO-1)."""
+        config = self._config(name)
+        itemsize = self.compute_dtype.itemsize
+        per_device = [0] * dist.get_world_size()
+        for layout in self.cm.layouts(name).values():
+            for d in range(len(per_device)):
+                n = layout.numel(d)
+                extra = 0
+                if name == self.base:
+                    optimizer = 2 * 4 + (4 if self.compute_dtype != torch.float32 or self.zero1 else 0)
+                    extra = optimizer / (config.dp if self.zero1 else 1)
+                per_device[d] += int(n * (itemsize + 4 + extra))
+        return max(per_device)
+
+    # ------------------------------------------------------------------------------------ internals
+    def _config(self, name: str) -> DistConfig:
+        return next(c for c in self.configs if c.name == name)
+
+    def _compile_seconds(self) -> float:
+        return sum(self.cm.compile_seconds(c.name) for c in self.configs)
+
+    def _cycle_seconds(self, used: frozenset[str]) -> float:
+        names = sorted(used | {self.base}, key=[c.name for c in self.configs].index)
+        return self.cm.plan_order(names, base=self.base).cost
+
+    def _bucket_bounds(self, lengths: list[int]) -> tuple[int, ...]:
+        if self._boundaries is None:
+            self._boundaries = D.choose_boundaries(lengths, self._num_buckets, self.length_multiple)
+            self._report(f"length buckets: {self._boundaries}")
+        elif max(lengths) > self._boundaries[-1]:
+            if self.bucket_configs is not None:
+                raise ValueError(f"a sequence of {max(lengths)} tokens exceeds the last bucket bound "
+                                 f"{self._boundaries[-1]} and bucket_configs fixes one config per bucket; "
+                                 "give a larger last bound")
+            self._boundaries = self._boundaries + (D.round_up(max(lengths), self.length_multiple),)
+            self._report(f"length buckets extended: {self._boundaries}")
+        return self._boundaries
+
+    def _unpacked(self, lengths: list[int]) -> list[D.Bucket]:
+        """Models without position_ids/attention_mask: one sequence per row, padded to the bound."""
+        buckets = D.make_buckets(lengths, self._bucket_bounds(lengths))
+        return [D.Bucket(b.index, b.low, b.high, tuple((i,) for i in b.sequences)) for b in buckets]
+
+    # ------------------------------------------------------------------------------------ optimizer
+    def _init_optimizer(self, full_fp32: dict[str, torch.Tensor]) -> None:
+        """fp32 masters and AdamW in the base layout; ZeRO-1 keeps only this dp rank's flat chunk."""
+        names = self.cm.logic.param_names
+        local = self.cm.local_params
+        masters = self.cm.shard_like_params(full_fp32)
+        self._names = list(names)
+        self._shapes = {n: local[n].shape for n in names}
+        base = self._config(self.base)
+        self._dp_group = self.cm.process_group(self.base, "dp") if self.zero1 and base.dp > 1 else None
+        if self._dp_group is not None:
+            flat = torch.cat([masters[n].reshape(-1) for n in names])
+            dp, index = base.dp, dist.get_rank(self._dp_group)
+            self._chunk = math.ceil(flat.numel() / dp)
+            self._flat_numel = flat.numel()
+            flat = torch.nn.functional.pad(flat, (0, self._chunk * dp - flat.numel()))
+            self._masters = {"flat": flat[index * self._chunk: (index + 1) * self._chunk].clone()}
+            self._dp_index = index
+        elif self.compute_dtype == torch.float32:
+            self._masters = local  # fp32 compute: the base's weights are the masters
+        else:
+            self._masters = {n: masters[n].clone() for n in names}
+        self.optimizer = torch.optim.AdamW(list(self._masters.values()), lr=self.adamw.lr, betas=self.adamw.betas,
+                                           eps=self.adamw.eps, weight_decay=self.adamw.weight_decay)
+
+    def _optimizer_step(self) -> None:
+        grads = self.cm.local_grads
+        if grads is None:
+            raise RuntimeError("no gradients to apply: the step ran no micro-batch")
+        if self._dp_group is not None:
+            flat = torch.cat([grads[n].reshape(-1) for n in self._names])
+            flat = torch.nn.functional.pad(flat, (0, self._chunk * dist.get_world_size(self._dp_group) - flat.numel()))
+            self._masters["flat"].grad = flat[self._dp_index * self._chunk: (self._dp_index + 1) * self._chunk].float()
+        else:
+            for n, p in self._masters.items():
+                p.grad = grads[n].float()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.cm.zero_grad()
+        masters = self._master_shards()
+        self.cm.set_local_params({n: t if t.dtype == self.compute_dtype else t.to(self.compute_dtype)
+                                  for n, t in masters.items()})
+
+    def _master_shards(self) -> dict[str, torch.Tensor]:
+        """fp32 masters as this rank's shards in the base layout (ZeRO-1: all-gathered over dp)."""
+        if self._dp_group is None:
+            return dict(self._masters)
+        chunk = self._masters["flat"]
+        flat = torch.empty(chunk.numel() * dist.get_world_size(self._dp_group), dtype=chunk.dtype)
+        dist.all_gather_into_tensor(flat, chunk, group=self._dp_group)
+        out, offset = {}, 0
+        for n in self._names:
+            size = math.prod(self._shapes[n])
+            out[n] = flat[offset: offset + size].view(self._shapes[n])
+            offset += size
+        return out
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    getter = getattr(model, "get_input_embeddings", None)
+    embedding = getter() if callable(getter) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return getattr(embedding, "num_embeddings", None)
+
+
+def _example_inputs(rows: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro-batch of full-length sequences (every token but the last is a target)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 8, (rows, length), generator=g)
+    pos = torch.arange(length).repeat(rows, 1)
+    labels = torch.cat([ids[:, 1:], torch.full((rows, 1), D.IGNORE)], dim=1)
+    return ids, pos, labels
