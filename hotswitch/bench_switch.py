@@ -5,6 +5,11 @@ For every ordered pair of configs, on `world_size` gloo processes posing as node
 bytes, max per-device send, lower bound, estimated and measured seconds, median of `repeats`),
 and two outside baselines measured the same way: DTensor `redistribute` (pairs on one mesh) and a
 torch.distributed.checkpoint save + load that reshards on load (to /dev/shm when it exists).
+
+Pipeline configs (pp > 1) are among the defaults: a switch across pipeline degrees moves whole layers
+between devices (their parameters live only on their stage's devices) through the same planner and
+executor. DTensor cannot redistribute across meshes, so it has no row for pairs with a pp > 1 side;
+DCP saves and loads each rank's own stage's parameters.
 """
 from __future__ import annotations
 
@@ -18,7 +23,19 @@ import torch
 import torch.distributed as dist
 
 ALGORITHMS = ("greedy", "fcfs", "round_robin", "gather")
-DEFAULT_CONFIGS = ("dp=4", "dp=2,tp=2", "tp=4", "tp=4,sp")
+DEFAULT_CONFIGS = ("dp=4", "dp=2,tp=2", "tp=4", "tp=4,sp", "dp=1,tp=2,pp=2", "dp=2,pp=2")
+
+
+def default_configs(world_size: int) -> list[str]:
+    """DEFAULT_CONFIGS scaled to `world_size`: pure DP, DP x TP, TP, TP + SP, and with pp = 2 the
+    tensor- and data-parallel halves (when the world size is even)."""
+    w = world_size
+    configs = [f"dp={w}", f"dp={w // 2},tp=2", f"tp={w}", f"tp={w},sp"]
+    if w % 4 == 0:
+        configs.append(f"dp={w // 4},tp=2,pp=2")
+    if w % 2 == 0:
+        configs.append(f"dp={w // 2},pp=2")
+    return list(dict.fromkeys(configs))
 
 
 def _timed(fn, repeats: int) -> float:
@@ -36,12 +53,12 @@ def _dtensors(cm, name, mesh=None):
     from torch.distributed.tensor import DTensor
 
     st = cm._states[name]
-    mesh = mesh or st.mesh
+    mesh = mesh or st.mesh  # under pp > 1: this rank's stage's sub-mesh, holding its stage's parameters
     local = cm.local_params if cm.active == name else None
     assert local is not None
     return {n: DTensor.from_local(local[n], mesh, st.param_specs[n], run_check=False,
                                   shape=cm.logic.param_shapes[n], stride=torch.empty(cm.logic.param_shapes[n], device="meta").stride())
-            for n in cm.logic.param_names}
+            for n in local}
 
 
 def worker(rank: int, model_name: str, config_specs, repeats: int, batch: int, seq: int) -> dict | None:
@@ -101,7 +118,8 @@ def _baselines(cm, a: str, b: str, repeats: int) -> list[dict]:
 
     rows = []
     sa, sb = cm._states[a], cm._states[b]
-    if sa.mesh.mesh.shape == sb.mesh.mesh.shape and torch.equal(sa.mesh.mesh, sb.mesh.mesh):
+    same_mesh = sa.config.pp == sb.config.pp == 1 and sa.mesh.mesh.shape == sb.mesh.mesh.shape
+    if same_mesh and torch.equal(sa.mesh.mesh, sb.mesh.mesh):
         cm.switch(a)
         src = _dtensors(cm, a, sb.mesh)
 
@@ -126,7 +144,7 @@ def _baselines(cm, a: str, b: str, repeats: int) -> list[dict]:
             dst = {n: DTensor.from_local(torch.empty(_local_shape(sb, n, cm)), sb.mesh, sb.param_specs[n], run_check=False,
                                          shape=cm.logic.param_shapes[n],
                                          stride=torch.empty(cm.logic.param_shapes[n], device="meta").stride())
-                   for n in cm.logic.param_names}
+                   for n in cm._held(sb)}
             dcp.load(dst, checkpoint_id=path)
 
         rows.append({"from": a, "to": b, "method": "dcp_save_load", "measured_seconds": _timed(save_and_load, repeats)})
@@ -203,12 +221,13 @@ def plot(result: dict, path: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def run(world_size=4, devices_per_node=2, model="gpt2-23m", configs=DEFAULT_CONFIGS, repeats=5, batch=4, seq=64,
+def run(world_size=4, devices_per_node=2, model="gpt2-23m", configs=None, repeats=5, batch=4, seq=64,
         json_path=None, png_path=None, emulate_nodes=False, inter_node_gbit=1.0) -> dict:
     """With `emulate_nodes`, each node's ranks run in their own network namespace and inter-node
     traffic crosses links shaped to `inter_node_gbit` (hotswitch.netns); else all is loopback."""
     from .launch import launch
 
+    configs = default_configs(world_size) if configs is None else configs
     args = (worker, world_size, model, list(configs), repeats, batch, seq)
     if emulate_nodes:
         from .netns import EmulatedNodes

@@ -310,8 +310,8 @@ def add_bench(subparsers) -> None:
     q.add_argument("--world-size", type=int, default=4)
     q.add_argument("--devices-per-node", type=int, default=2, help="processes per simulated node (default 2)")
     q.add_argument("--model", default="gpt2-23m", help="built-in model (default gpt2-23m, 23M parameters)")
-    q.add_argument("--configs", default=None, help="semicolon-separated DistConfig specs "
-                   "(default: 'dp=4;dp=2,tp=2;tp=4;tp=4,sp' scaled to --world-size)")
+    q.add_argument("--configs", default=None, help="semicolon-separated DistConfig specs (default: "
+                   "'dp=4;dp=2,tp=2;tp=4;tp=4,sp;dp=1,tp=2,pp=2;dp=2,pp=2' scaled to --world-size)")
     q.add_argument("--repeats", type=int, default=5, help="timed runs per switch; the median is reported")
     q.add_argument("--emulate-nodes", action="store_true", help="run each node's processes in its own network namespace, "
                    "nodes joined by rate-limited links (needs root and iproute2), so inter-node bytes cost what they would")
@@ -330,7 +330,7 @@ def run_bench_switch(args) -> int:
         print(f"unknown model {args.model!r}; built-in models: {', '.join(MODEL_CONFIGS)}", file=sys.stderr)
         return 2
     w = args.world_size
-    configs = args.configs.split(";") if args.configs else [f"dp={w}", f"dp={w // 2},tp=2", f"tp={w}", f"tp={w},sp"]
+    configs = args.configs.split(";") if args.configs else bench_switch.default_configs(w)
     print(f"benchmarking switches of {args.model} between {configs} on {w} processes, {args.devices_per_node} per node ...",
           flush=True)
     result = bench_switch.run(world_size=w, devices_per_node=args.devices_per_node, model=args.model, configs=configs,
