@@ -23,6 +23,11 @@ that needs it from the model inputs, which every rank of a pipeline has (the cal
 its data-parallel shard of the batch). So each stage graph takes (its params, all buffers, all model
 inputs, activations in) and returns (activations out, loss denominator), the last stage (num, den).
 
+**Shared parameters.** A parameter used in several stages (GPT-2's LM head tied to the token
+embedding) gets a copy in each of them, as Megatron-LM keeps the word embeddings in the first and the
+last stage: each stage's graph computes its part of the gradient, and the runtime sums the copies'
+gradients after the step's reduction, so the copies stay equal under any elementwise optimizer.
+
 **Joint graphs per stage.** A stage's joint graph is traced like the LogicGraph's (make_fx of an
 interpreter over the stage's forward with autograd, core ATen, functionalized, CSE'd), with the
 upstream gradients of the activations it sends as extra inputs, and returns
@@ -81,11 +86,14 @@ class Stage:
 class StageSplit:
     pp: int
     stages: list[Stage]
-    param_stage: dict[str, int]
+    param_stages: dict[str, tuple[int, ...]]  # the stages holding each parameter (several when shared)
     blocks: list[str]
 
-    def stage_of(self, param: str) -> int:
-        return self.param_stage[param]
+    @property
+    def shared(self) -> dict[str, tuple[int, ...]]:
+        """Parameters used by more than one stage (a tied embedding and LM head): each of those
+        stages keeps a copy, and their gradients are summed across the copies (Megatron)."""
+        return {n: s for n, s in self.param_stages.items() if len(s) > 1}
 
 
 def block_of(node: fx.Node) -> str | None:
@@ -227,14 +235,9 @@ def split_stages(logic: LogicGraph, pp: int) -> StageSplit:
             s = max([s] + [stage[a] for a in part.inputs_of(n) if a in stage])
             stage[n] = s
     for name, ph in zip(logic.param_names, part.params):
-        users = {stage[u] for u in ph.users if u in stage}
-        param_users[name] = users
-        if len(users) > 1:
-            raise ValueError(
-                f"parameter {name!r} is used in pipeline stages {sorted(users)} (tied or shared weights, e.g. a "
-                f"GPT-2 style LM head tied to the token embedding); pp={pp} cannot place it in one stage. Untie it "
-                "(e.g. tie_word_embeddings=False / tie_embeddings=False) or use pp=1 for this model")
-    param_stage = {name: (min(u) if u else 0) for name, u in param_users.items()}
+        param_users[name] = {stage[u] for u in ph.users if u in stage}
+    # a parameter used by several stages (a tied embedding and LM head) has a copy in each
+    param_stages = {name: tuple(sorted(u)) if u else (0,) for name, u in param_users.items()}
     out_leaves = pytree.tree_leaves(part.output.args[0])
     num = out_leaves[0]
     if num in stage:
@@ -254,12 +257,12 @@ def split_stages(logic: LogicGraph, pp: int) -> StageSplit:
     for s in range(pp):
         acts_in = sorted(crossing[s], key=order.get)
         acts_out = sorted(crossing[s + 1], key=order.get) if s + 1 < pp else []
-        stage_params = [name for name in logic.param_names if param_stage[name] == s]
+        stage_params = [name for name in logic.param_names if s in param_stages[name]]
         gm = _stage_graph(part, s, stage, acts_in, acts_out, stage_params, is_last=s == pp - 1)
         a, b = bounds[s]
         stages.append(Stage(s, gm, stage_params, [n.name for n in acts_in], [n.name for n in acts_out],
                             tuple(blocks[a:b]), sum(costs[a:b]), s == pp - 1))
-    return StageSplit(pp, stages, param_stage, blocks)
+    return StageSplit(pp, stages, param_stages, blocks)
 
 
 def _stage_graph(part: _Partition, s: int, stage: dict[fx.Node, int], acts_in, acts_out, stage_params,

@@ -46,6 +46,7 @@ class ConfigState:
     full_mesh: DeviceMesh | None = None
     stage: int = 0
     programs: dict[tuple, object] = field(default_factory=dict)  # (local micro-batch shapes, train) -> StageProgram
+    copy_groups: dict[tuple, object] = field(default_factory=dict)  # stages sharing a parameter -> this rank's group
     reductions: dict[tuple, fx.GraphModule] = field(default_factory=dict)
 
 
@@ -358,7 +359,17 @@ class CompiledModel:
         self._split(config.pp)  # cut the model now: a model that cannot be cut fails at compile time
         full = DeviceMesh("cpu", devices.reshape([config.pp] + shape), mesh_dim_names=("pp", *names))
         mesh = full[names[0]] if len(names) == 1 else full[tuple(names)]
-        return ConfigState(config, mesh, axis, specs, full_mesh=full, stage=int(full.get_coordinate()[0]))
+        st = ConfigState(config, mesh, axis, specs, full_mesh=full, stage=int(full.get_coordinate()[0]))
+        # parameters shared by stages (a tied embedding): the copies' gradients are summed over the
+        # ranks at the same (dp, tp) coordinate of those stages. Every rank creates every group.
+        grid = full.mesh.reshape(config.pp, -1)
+        for stages in sorted(set(self._splits[config.pp].shared.values())):
+            for position in range(grid.shape[1]):
+                ranks = [int(grid[s][position]) for s in stages]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    st.copy_groups[stages] = group
+        return st
 
     def _split(self, pp: int) -> StageSplit:
         """The LogicGraph cut into `pp` pipeline stages (pure and deterministic: the same on every rank)."""
@@ -422,10 +433,16 @@ class CompiledModel:
         st = self._states[name]
         if st.layouts is None and st.full_mesh is not None:
             # pp > 1: a parameter lives only on its stage's (dp, tp) sub-mesh of the (pp, dp, tp) mesh
-            split = self._splits[st.config.pp]
-            meshes = [Mesh(grid.tolist(), tuple(st.mesh.mesh_dim_names)) for grid in st.full_mesh.mesh]
-            st.layouts = {n: Layout(tuple(self.logic.param_shapes[n]), meshes[split.stage_of(n)],
-                                    tuple(from_torch(p) for p in st.param_specs[n])) for n in self.logic.param_names}
+            # (a shared parameter: a copy on each of its stages, a "copy" axis of Replicate() over them)
+            split, grid, axes = self._splits[st.config.pp], st.full_mesh.mesh, tuple(st.mesh.mesh_dim_names)
+            st.layouts = {}
+            for n in self.logic.param_names:
+                stages, placements = split.param_stages[n], tuple(from_torch(p) for p in st.param_specs[n])
+                if len(stages) == 1:
+                    mesh = Mesh(grid[stages[0]].tolist(), axes)
+                else:
+                    mesh, placements = Mesh(grid[list(stages)].tolist(), ("copy", *axes)), (Replicate(), *placements)
+                st.layouts[n] = Layout(tuple(self.logic.param_shapes[n]), mesh, placements)
         if st.layouts is None:
             mesh = Mesh(st.mesh.mesh.tolist(), tuple(st.mesh.mesh_dim_names))
             st.layouts = {n: Layout(tuple(self.logic.param_shapes[n]), mesh, tuple(from_torch(p) for p in st.param_specs[n]))
@@ -615,11 +632,27 @@ class CompiledModel:
             if programs[0].is_last:
                 loss = outs[0].detach()
             if train:
-                self._add_grads(dict(zip(held, outs[1:])), grad_scale)
+                grads = dict(zip(held, outs[1:]))
+                self._sum_copies(st, grads)
+                self._add_grads(grads, grad_scale)
         if st.full_mesh is not None:  # every rank returns the loss: the last stage has it
             loss = loss.to(torch.float32 if not loss.is_floating_point() else loss.dtype)
             dist.all_reduce(loss, group=st.full_mesh.get_group("pp"))
         return loss
+
+    def _sum_copies(self, st: ConfigState, grads: dict[str, torch.Tensor]) -> None:
+        """A parameter with a copy on several stages (a tied embedding and LM head) gets the sum of
+        the copies' gradients on each: one all-reduce per set of sharing stages (Megatron's
+        embedding group), after the data-parallel reduction."""
+        if st.full_mesh is None:
+            return
+        shared = self._splits[st.config.pp].shared
+        for stages, group in st.copy_groups.items():
+            names = [n for n in grads if shared.get(n) == stages]
+            flat = torch.cat([grads[n].reshape(-1) for n in names])
+            dist.all_reduce(flat, group=group)
+            for n, piece in zip(names, flat.split([grads[n].numel() for n in names])):
+                grads[n] = piece.view(grads[n].shape)
 
     def _add_grads(self, grads: dict[str, torch.Tensor], grad_scale: float) -> None:
         """Accumulate reduced gradients (in their parameter layouts) as forward_backward does."""

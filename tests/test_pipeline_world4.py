@@ -15,7 +15,7 @@ from tests.compile_checks import batch, collective_counts, forward_collectives_p
 from tests.distributed import dist_fixture
 
 CONFIGS = [hs.DistConfig("tp2pp2", tp=2, pp=2), hs.DistConfig("dp2pp2", dp=2, pp=2),
-           hs.DistConfig("dp4", dp=4), hs.DistConfig("dp2tp2", dp=2, tp=2)]
+           hs.DistConfig("dp4", dp=4), hs.DistConfig("dp2tp2", dp=2, tp=2), hs.DistConfig("tp2pp2sp", tp=2, pp=2, sp=True)]
 PIPELINED = ("tp2pp2", "dp2pp2")
 TOPOLOGY = Topology(4, devices_per_node=2)
 TOL = 1e-5
@@ -26,6 +26,7 @@ _cms = {}
 def _compiled(kind="gpt"):
     if kind not in _cms:
         configs = CONFIGS if kind == "gpt" else [c for c in CONFIGS if c.name in PIPELINED]
+        configs = [c for c in configs if c.name != "tp2pp2sp"] + [c for c in configs if c.name == "tp2pp2sp"]
         _cms[kind] = hs.compile(make_model(kind), batch(), configs=configs, topology=TOPOLOGY, lazy=True)
     return _cms[kind]
 
@@ -41,18 +42,19 @@ def _assert_step(cm, ids, labels, loss_ref, grads_ref, what, **kwargs):
     return cm.last_step
 
 
-def _equivalence(kind, cases):
+def _equivalence(kind, cases, extra=()):
     """Every pipelined config, each (micro_batches, schedule) case: loss and every full gradient
-    within 1e-5 relative of one device, forward-only loss too, weights untouched."""
+    within 1e-5 relative of one device, forward-only loss too, weights untouched. `extra` configs
+    run the first case only."""
     cm = _compiled(kind)
     model = make_model(kind)
     ids, labels = batch()
     loss_ref, grads_ref = reference(model, ids, labels)
     state_ref = {k: v.clone() for k, v in model.state_dict().items()}
     report = {}
-    for name in PIPELINED:
+    for name in PIPELINED + tuple(extra):
         cm.switch(name)
-        for k, schedule in cases:
+        for k, schedule in cases if name in PIPELINED else cases[:1]:
             step = _assert_step(cm, ids, labels, loss_ref, grads_ref, (name, k, schedule), micro_batches=k, schedule=schedule)
             report[(name, k, schedule)] = (step.order, step.sends, step.recvs)
         forward_only = cm(*cm.shard_inputs(ids, labels))
@@ -68,7 +70,7 @@ def _equivalence(kind, cases):
 
 
 def check_gpt_pipeline_equivalence():
-    report = _equivalence("gpt", [(1, "1f1b"), (2, "1f1b"), (2, "gpipe")])
+    report = _equivalence("gpt", [(1, "1f1b"), (2, "1f1b"), (2, "gpipe")], extra=["tp2pp2sp"])
     # another sequence length lowers on demand (the stage graphs are dynamic in it too)
     cm = _compiled("gpt")
     ids, labels = batch(seq=7, seed=1)
@@ -160,18 +162,28 @@ def check_point_to_point_per_step():
     return step.stage, step.order, step.sends, step.recvs, step.bytes_sent
 
 
-def check_tied_weights_with_pipeline_rejected():
-    try:
-        hs.compile(make_model("gpt2"), batch(), configs=[hs.DistConfig("dp2pp2", dp=2, pp=2)], lazy=True)
-    except ValueError as e:
-        return str(e)
-    raise AssertionError("a tied embedding compiled under pp=2")
+def check_tied_embedding_across_stages():
+    """HF GPT-2 (LM head tied to the token embedding): a copy in each stage, their gradients summed
+    (Megatron); equal to one device, and the copies stay equal through switches."""
+    model = make_model("gpt2")
+    ids, labels = batch()
+    loss_ref, grads_ref = reference(model, ids, labels)
+    cm = hs.compile(model, (ids, labels), configs=[hs.DistConfig("dp2pp2", dp=2, pp=2), hs.DistConfig("dp4", dp=4)],
+                    topology=TOPOLOGY, lazy=True)
+    full = cm.full_state_dict()
+    _assert_step(cm, ids, labels, loss_ref, grads_ref, "gpt2 dp2pp2", micro_batches=2)
+    tied = "model.transformer.wte.weight"
+    local_grad = cm.local_grads[tied]  # both stages hold the summed gradient
+    for name in ("dp4", "dp2pp2", "dp4"):
+        cm.switch(name)
+        assert all(torch.equal(full[k], v) for k, v in cm.full_state_dict().items()), name
+    return sorted(cm._states["dp2pp2"].copy_groups), repr(cm.layouts("dp2pp2")[tied]), local_grad.norm().item()
 
 
 results = dist_fixture(4, [check_gpt_pipeline_equivalence, check_llama_pipeline_equivalence,
                            check_micro_batches_without_pipeline, check_round_trip_across_pipeline_degrees,
                            check_gradients_accumulate_across_pipeline_switches, check_point_to_point_per_step,
-                           check_tied_weights_with_pipeline_rejected], env={"HOTSWITCH_PACK_BACKEND": "torch"})
+                           check_tied_embedding_across_stages], env={"HOTSWITCH_PACK_BACKEND": "torch"})
 
 
 def _stage(rank):
@@ -198,6 +210,9 @@ def _check_report(reports):
         assert all(v == {"all_reduce": 1} for b, v in blocks.items() if b != "outside blocks"), blocks
         assert len([b for b in blocks if b != "outside blocks"]) == 2, blocks
         assert report[("dp2pp2", "forward per block")] == {}, report[("dp2pp2", "forward per block")]
+        if ("tp2pp2sp", "forward per block") in report:  # TP + SP: one all-gather and one reduce-scatter per block
+            blocks = report[("tp2pp2sp", "forward per block")]
+            assert all(v == {"all_gather": 1, "reduce_scatter": 1} for b, v in blocks.items() if b != "outside blocks"), blocks
 
 
 def test_gpt_pipeline_matches_single_device(results):
@@ -238,6 +253,9 @@ def test_point_to_point_per_step(results):
         assert sent == rows * 12 * 64 * 4, (rank, sent)
 
 
-def test_tied_weights_with_pipeline_name_the_fix(results):
-    (message, *_) = results["check_tied_weights_with_pipeline_rejected"].raise_if_failed()
-    assert "tie" in message and "pp=1" in message, message
+def test_tied_embedding_has_a_copy_per_stage(results):
+    values = results["check_tied_embedding_across_stages"].raise_if_failed()
+    groups, layout, _ = values[0]
+    assert groups == [(0, 1)] and "('copy', 'dp')=(2, 2)" in layout, layout  # replicated over the two stages' copies
+    norms = [v[2] for v in values]
+    assert norms[0] == norms[1] == norms[2] == norms[3] > 0  # every copy holds the same summed gradient

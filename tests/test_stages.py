@@ -80,11 +80,27 @@ def test_forward_backward_cut_reproduces_the_joint_graph(four_layers):
     assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
-def test_more_stages_than_blocks_and_tied_weights_are_refused():
-    model = build_model("gpt-tiny", vocab_size=1001)  # 2 blocks
-    logic = trace(model, batch())
+def test_tied_weights_get_a_copy_per_stage_and_too_many_stages_are_refused():
+    torch.manual_seed(0)
+    model = build_model("gpt-tiny", vocab_size=1001, tie_embeddings=True)  # 2 blocks, lm_head = embed
+    ids, labels = batch()
+    logic = trace(model, (ids, labels))
     with pytest.raises(ValueError, match="pp <= 2"):
         split_stages(logic, 3)
-    tied = trace(build_model("gpt-tiny", vocab_size=1001, tie_embeddings=True), batch())
-    with pytest.raises(ValueError, match="tie"):
-        split_stages(tied, 2)
+    split = split_stages(logic, 2)
+    assert split.shared == {"embed.weight": (0, 1)}  # Megatron: the first and the last stage keep a copy
+    assert all("embed.weight" in st.param_names for st in split.stages)
+    loss_ref, grads_ref = reference(model, ids, labels)
+    params = dict(model.named_parameters())
+    buffers = [b for _, b in model.named_buffers()]
+    first, last = split.stages
+    (act, den), = [first.forward(*[params[n].detach() for n in first.param_names], *buffers, ids, labels)[:2]]
+    outs = stage_joint(logic, last)([params[n].detach() for n in last.param_names], buffers, [ids, labels], [act], [])
+    num, den = outs[:2]
+    grads_last = dict(zip(last.param_names, outs[2:2 + last.num_params]))
+    grad_act = outs[2 + last.num_params:]
+    outs = stage_joint(logic, first)([params[n].detach() for n in first.param_names], buffers, [ids, labels], [], grad_act)
+    grads_first = dict(zip(first.param_names, outs[2:2 + first.num_params]))
+    assert abs((num / den).item() - loss_ref.item()) < 1e-6 * loss_ref.item()
+    tied = (grads_first["embed.weight"] + grads_last["embed.weight"]) / den  # the sum of the copies' parts
+    assert rel_err(tied, grads_ref["embed.weight"]) < 1e-5
