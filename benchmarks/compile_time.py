@@ -2,6 +2,10 @@
 
     python benchmarks/compile_time.py [--json PATH] [--model gpt2-small] [--configs dp4,dp2tp2,tp4,tp4sp]
 
+Config names are dp<N>tp<M>pp<K>[sp] with any part left out (dp2pp2, tp2pp2sp). Under pp > 1 the
+lowering time is the slowest rank's time for its stage (ranks of different stages lower different
+graphs), and the ExecGraph shown is rank 0's stage (its gradient reduction is a separate program).
+
 Spawns --world-size gloo processes (hotswitch.launch), traces the model once per rank and lowers it
 for every config; prints the trace time, each config's lowering time (the slowest rank's), and the
 size of rank 0's ExecGraph: nodes and collectives by phase (fwd | bwd | grad reduce).
@@ -23,7 +27,7 @@ def measure(rank: int, model_name: str, config_names: tuple[str, ...], batch: in
 
     import hotswitch as hs
     import hotswitch.api as api
-    from hotswitch.cli import count_collectives, parse_config, synthetic_batch
+    from hotswitch.cli import count_collectives, synthetic_batch
     from hotswitch.models import build_model
 
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
@@ -63,7 +67,7 @@ def measure(rank: int, model_name: str, config_names: tuple[str, ...], batch: in
     for c in configs:
         gm = cm.exec_graph(c.name)
         rows.append({
-            "config": c.name, "dp": c.dp, "tp": c.tp, "sp": c.sp,
+            "config": c.name, "dp": c.dp, "tp": c.tp, "pp": c.pp, "sp": c.sp,
             "lower_s": max(r["lower"][c.name] for r in everyone),
             "lower_s_per_rank": [r["lower"][c.name] for r in everyone],
             "nodes": len(gm.graph.nodes),
@@ -72,6 +76,18 @@ def measure(rank: int, model_name: str, config_names: tuple[str, ...], batch: in
     return {"model": model_name, "parameters": n_params, "batch": batch, "seq": seq, "world_size": dist.get_world_size(),
             "trace_s": max(r["trace"] for r in everyone), "compile_total_s": max(r["total"] for r in everyone),
             "configs": rows, "torch": torch.__version__, "cpus": os.cpu_count(), "python": platform.python_version()}
+
+
+def parse_config(name: str):
+    """'dp2tp2' -> DistConfig('dp2tp2', dp=2, tp=2); 'tp2pp2sp' -> tp=2, pp=2, sp=True."""
+    import re
+
+    import hotswitch as hs
+
+    m = re.fullmatch(r"(?:dp(\d+))?(?:tp(\d+))?(?:pp(\d+))?(sp)?", name)
+    if not name or not m:
+        raise ValueError(f"config {name!r} is not of the form dp<N>tp<M>pp<K>[sp], e.g. dp4, dp2tp2, tp2pp2")
+    return hs.DistConfig(name, dp=int(m[1] or 1), tp=int(m[2] or 1), pp=int(m[3] or 1), sp=bool(m[4]))
 
 
 def render(result: dict) -> None:

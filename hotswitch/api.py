@@ -626,17 +626,16 @@ class CompiledModel:
                                num_stages=pp, prev_rank=prev_rank, next_rank=next_rank, schedule=schedule,
                                accumulate_dtype=self.grad_dtype if train else None)
         self.last_step = stats
-        loss = torch.zeros(())
+        loss = torch.zeros((), dtype=torch.float32)
         if train or programs[0].is_last:
             outs = reduction_for(st, programs[0], sums)(*sums)
             if programs[0].is_last:
-                loss = outs[0].detach()
+                loss = outs[0].detach().to(torch.float32) if st.full_mesh is not None else outs[0].detach()
             if train:
                 grads = dict(zip(held, outs[1:]))
                 self._sum_copies(st, grads)
                 self._add_grads(grads, grad_scale)
-        if st.full_mesh is not None:  # every rank returns the loss: the last stage has it
-            loss = loss.to(torch.float32 if not loss.is_floating_point() else loss.dtype)
+        if st.full_mesh is not None:  # every rank returns the loss (fp32): the last stage has it
             dist.all_reduce(loss, group=st.full_mesh.get_group("pp"))
         return loss
 

@@ -40,6 +40,7 @@ import sympy
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from compiler import _dtensor as dt
 from compiler.lower import OutputPlan, StageOutputPlan, lower, lower_reduction, propagate_graph
@@ -183,8 +184,6 @@ def lower_stage(logic: LogicGraph, stage: Stage | None, st, buffers: list[torch.
 
 
 def _leaves(graph: fx.Graph) -> list[fx.Node]:
-    from torch.utils import _pytree as pytree
-
     out = next(n for n in graph.nodes if n.op == "output")
     return pytree.tree_leaves(out.args[0])
 
