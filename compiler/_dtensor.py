@@ -27,6 +27,31 @@ __all__ = [
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402
 
 _propagator = DTensor._op_dispatcher.sharding_propagator
+
+# Strategy expansion prices every candidate input placement with `redistribute_cost`; for
+# _StridedShard specs that runs a graph search per call (~40 ms), and DTensor's own cache keys on
+# whole specs, so it almost never hits across the nodes of one graph. The price depends only on the
+# mesh, both placements (with shard orders), the global shape and the dtype: memoize on those.
+from torch.distributed.tensor._ops import utils as _op_utils  # noqa: E402
+
+_original_cost = _op_utils.redistribute_cost
+_cost_memo: dict[tuple, float] = {}
+
+
+def _memoized_redistribute_cost(current: DTensorSpec, target: DTensorSpec) -> float:
+    shapes = tuple(None if s.tensor_meta is None else (tuple(s.tensor_meta.shape), s.tensor_meta.dtype)
+                   for s in (current, target))
+    key = (current.mesh, current.placements, target.placements, getattr(current, "shard_order", None),
+           getattr(target, "shard_order", None), shapes)
+    cost = _cost_memo.get(key)
+    if cost is None:
+        if len(_cost_memo) > 200_000:
+            _cost_memo.clear()
+        cost = _cost_memo[key] = _original_cost(current, target)
+    return cost
+
+
+_op_utils.redistribute_cost = _memoized_redistribute_cost
 _original_select = _sp._select_min_cost_strategy
 # Indices (into OpSchema.args_spec) of inputs whose placement must not change: parameters keep the
 # layout the config gave them (Megatron's rule), so the strategy search may not redistribute them.

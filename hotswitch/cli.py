@@ -2,7 +2,9 @@
 parser and sets `run=<function taking the parsed args>`; list it in COMMANDS.
 
     hotswitch demo           train a small GPT on 4 CPU processes under dp4, dp2tp2 and tp4sp, switching between them
+    hotswitch train          mixed-length training: a config per length bucket, hot-switched within each step
     hotswitch bench switch   what every switch between configs costs: planner algorithms and outside baselines
+    hotswitch bench train    tokens/s of hot-switched training vs the best static config within a memory budget
     hotswitch plan           plan one switch of a large model on a simulated cluster (pure, no processes)
 """
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
+
+from hotswitch.train_cli import add_bench_train, add_train
 
 __all__ = ["main"]
 
@@ -319,6 +323,7 @@ def add_bench(subparsers) -> None:
     q.add_argument("--json", default="bench_switch.json", help="where to write the results (default bench_switch.json)")
     q.add_argument("--plot", default="bench_switch.png", help="where to draw the chart (default bench_switch.png)")
     q.set_defaults(run=run_bench_switch)
+    add_bench_train(sub)
     p.set_defaults(run=lambda args: p.print_help() or 2)
 
 
@@ -428,7 +433,7 @@ def run_plan(args) -> int:
     return 0
 
 
-COMMANDS = [add_demo, add_bench, add_plan]
+COMMANDS = [add_demo, add_train, add_bench, add_plan]
 
 
 if __name__ == "__main__":

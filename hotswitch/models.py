@@ -160,6 +160,9 @@ class GPT(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.apply(self._init)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed
+
     @staticmethod
     def _init(module):
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -196,7 +196,7 @@ class Trainer:
     def step(self, global_batch) -> StepReport:
         sequences = D.validate_batch(global_batch, self.vocab_size)
         lengths = [s.numel() for s in sequences]
-        buckets = D.make_buckets(lengths, self._bucket_bounds(lengths)) if self.pack else self._unpacked(lengths)
+        buckets = D.make_buckets(lengths, self.bucket_bounds(lengths)) if self.pack else self._unpacked(lengths)
         demands = [BucketDemand(b.high, len(b.rows)) for b in buckets]
         compile_before = self._compile_seconds()
         profile_seconds = 0.0
@@ -357,7 +357,18 @@ class Trainer:
         names = sorted(used | {self.base}, key=[c.name for c in self.configs].index)
         return self.cm.plan_order(names, base=self.base).cost
 
-    def _bucket_bounds(self, lengths: list[int]) -> tuple[int, ...]:
+    def choose_buckets(self, lengths: Sequence[int]) -> tuple[int, ...]:
+        """Fix the bucket bounds from a sample of sequence lengths (e.g. the whole dataset's) instead
+        of the first batch's: later batches then reuse the same compiled shapes."""
+        if self.bucket_configs is not None:
+            raise ValueError("bucket_configs fixes one config per given bucket; do not re-choose the buckets")
+        self._boundaries = D.choose_boundaries(list(lengths), self._num_buckets, self.length_multiple)
+        self._report(f"length buckets: {self._boundaries}")
+        return self._boundaries
+
+    def bucket_bounds(self, lengths: list[int]) -> tuple[int, ...]:
+        """The bucket bounds for a batch of these lengths: fixed on first use (from the lengths unless
+        given), extended by one bound when a longer sequence arrives."""
         if self._boundaries is None:
             self._boundaries = D.choose_boundaries(lengths, self._num_buckets, self.length_multiple)
             self._report(f"length buckets: {self._boundaries}")
@@ -372,7 +383,7 @@ class Trainer:
 
     def _unpacked(self, lengths: list[int]) -> list[D.Bucket]:
         """Models without position_ids/attention_mask: one sequence per row, padded to the bound."""
-        buckets = D.make_buckets(lengths, self._bucket_bounds(lengths))
+        buckets = D.make_buckets(lengths, self.bucket_bounds(lengths))
         return [D.Bucket(b.index, b.low, b.high, tuple((i,) for i in b.sequences)) for b in buckets]
 
     # ------------------------------------------------------------------------------------ optimizer
