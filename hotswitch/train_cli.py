@@ -153,51 +153,66 @@ def _dataset(opts: TrainOptions, vocab_size: int):
 
 
 def _train_worker(rank: int, opts: TrainOptions) -> dict:
-    import warnings
-
-    import torch
-    from tqdm import tqdm
-
-    from hotswitch import data as D
-    from hotswitch.trainer import Trainer
-
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-    warnings.filterwarnings("ignore", message=r"hotswitch: .* could not be sharded")  # replicated fallback, exact
-    show = rank == 0 and not opts.quiet
-    model = _model(opts)
-    dataset = _dataset(opts, model.get_input_embeddings().num_embeddings)
-    order = D.SampleOrder(len(dataset), opts.batch_size, seed=opts.seed)
-    configs = [opts.static] if opts.static else list(opts.configs)
-    # a static run keeps the hot run's number of buckets: short rows are cheaper under any config
-    trainer = Trainer(model, configs, dict(name="adamw", lr=opts.lr), opts.memory_budget, buckets=opts.buckets,
-                      num_buckets=len(opts.configs), micro_batch_tokens=opts.micro_batch_tokens, zero1=opts.zero1,
-                      progress=(lambda m: print(m, flush=True)) if show else None)
-    if opts.buckets is None:
-        trainer.choose_buckets([len(s) for s in dataset])  # from the dataset's length distribution
-    reports = []
-    total = opts.warmup_steps + opts.steps
-    bar = tqdm(total=total, desc="training", unit="step", disable=not show or None, leave=False, file=sys.stderr)
-    for step in range(total):
-        report = trainer.step([dataset[i] for i in order.batch(step)])
-        if step >= opts.warmup_steps:
-            reports.append(report)
-        if show:
-            extra = f" (profile {report.profile_seconds:.1f}s, compile {report.compile_seconds:.1f}s)" \
-                if report.profile_seconds or report.compile_seconds > 0.05 else ""
-            tqdm.write(report.line() + extra, file=sys.stdout)
-        bar.update()
-    bar.close()
+    run = _Run(opts, [opts.static] if opts.static else list(opts.configs), rank)
+    result = run.train()
     if opts.save_final:
-        state = trainer.full_state_dict()
+        import torch
+
+        state = run.trainer.full_state_dict()
         if rank == 0:
             torch.save(state, opts.save_final)
-    seconds = sum(r.seconds for r in reports)
-    switch = sum(r.switch_seconds for r in reports)
-    summary = dict(steps=len(reports), tokens=sum(r.tokens for r in reports), seconds=seconds, switch_seconds=switch,
-                   tokens_per_second=sum(r.tokens for r in reports) / seconds, switch_share=switch / seconds,
-                   final_loss=reports[-1].loss, losses=[r.loss for r in reports])
-    return dict(summary=summary, reports=[_report_dict(r) for r in reports], profile=trainer.cost.table(),
-                base=trainer.base, budget=trainer.memory_budget_bytes)
+    return result
+
+
+class _Run:
+    """One Trainer on this rank over the dataset's seeded global batches."""
+
+    def __init__(self, opts: TrainOptions, configs: list, rank: int, budget: float | None = None,
+                 bounds: tuple[int, ...] | None = None):
+        import warnings
+
+        from hotswitch import data as D
+        from hotswitch.trainer import Trainer
+
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r"hotswitch: .* could not be sharded")  # replicated fallback, exact
+        self.opts, self.show = opts, rank == 0 and not opts.quiet
+        model = _model(opts)
+        self.dataset = _dataset(opts, model.get_input_embeddings().num_embeddings)
+        self.order = D.SampleOrder(len(self.dataset), opts.batch_size, seed=opts.seed)
+        # a static run keeps the hot run's buckets: short rows are cheaper under any config
+        self.trainer = Trainer(model, configs, dict(name="adamw", lr=opts.lr), budget or opts.memory_budget,
+                               buckets=bounds or opts.buckets, num_buckets=len(opts.configs),
+                               micro_batch_tokens=opts.micro_batch_tokens, zero1=opts.zero1,
+                               progress=(lambda m: print(m, flush=True)) if self.show else None)
+        if bounds is None and opts.buckets is None:
+            self.trainer.choose_buckets([len(s) for s in self.dataset])  # from the dataset's length distribution
+        self.bounds = self.trainer.bucket_bounds([len(s) for s in self.dataset])
+
+    def train(self) -> dict:
+        from tqdm import tqdm
+
+        opts, reports = self.opts, []
+        total = opts.warmup_steps + opts.steps
+        bar = tqdm(total=total, desc="training", unit="step", disable=not self.show or None, leave=False, file=sys.stderr)
+        for step in range(total):
+            report = self.trainer.step([self.dataset[i] for i in self.order.batch(step)])
+            if step >= opts.warmup_steps:
+                reports.append(report)
+            if self.show:
+                extra = f" (profile {report.profile_seconds:.1f}s, compile {report.compile_seconds:.1f}s)" \
+                    if report.profile_seconds or report.compile_seconds > 0.05 else ""
+                warm = " [warm-up, not counted]" if step < opts.warmup_steps else ""
+                tqdm.write(report.line() + extra + warm, file=sys.stdout)
+            bar.update()
+        bar.close()
+        seconds = sum(r.seconds for r in reports)
+        switch = sum(r.switch_seconds for r in reports)
+        summary = dict(steps=len(reports), tokens=sum(r.tokens for r in reports), seconds=seconds, switch_seconds=switch,
+                       tokens_per_second=sum(r.tokens for r in reports) / seconds, switch_share=switch / seconds,
+                       final_loss=reports[-1].loss, losses=[r.loss for r in reports])
+        return dict(summary=summary, reports=[_report_dict(r) for r in reports], profile=self.trainer.cost.table(),
+                    base=self.trainer.base, budget=self.trainer.memory_budget_bytes)
 
 
 def _report_dict(report) -> dict:
@@ -209,9 +224,10 @@ def _report_dict(report) -> dict:
 # ------------------------------------------------------------------------------------ bench train
 def add_bench_train(sub) -> None:
     q = sub.add_parser("train", help="tokens/s of hot-switched mixed-length training vs the best static config "
-                       "that fits the same memory budget", description=run_bench_train.__doc__)
+                       "that fits the same memory budget", description=run_bench_train.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     _train_arguments(q)
-    q.set_defaults(steps=4, batch_size=64, memory_budget_mib=None)
+    q.set_defaults(steps=4, configs="dp=4;tp=4,sp")
     q.add_argument("--budget-fraction", type=float, default=0.9, help="without --memory-budget-mib: the budget is "
                    "this fraction of pure DP's estimated peak at the longest bucket, so long rows do not fit pure DP")
     q.add_argument("--json", default="bench_train.json", help="where to write the results (default bench_train.json)")
@@ -221,75 +237,72 @@ def add_bench_train(sub) -> None:
 def run_bench_train(args) -> int:
     """Hot switching against every static config that fits the budget, on the same batches, in one run.
 
-    1. A profiling run (one warm-up step) of the hot-switching trainer measures each config at each
-       bucket length; unless --memory-budget-mib is given the budget is set so that pure DP cannot
-       hold the longest bucket (--budget-fraction of its estimated peak there).
-    2. Hot switching trains --steps steps after that warm-up step; so does each static config that
-       fits every bucket within the budget, from the same initial weights on the same batches.
-    3. Prints tokens/s of each, the ratio hot / best static, and the share of step time switching.
+    In one set of processes: the hot-switching trainer profiles each config at each bucket length
+    (buckets from the dataset's lengths); unless --memory-budget-mib is given, the budget is set so
+    that pure DP cannot hold the longest bucket (--budget-fraction of its estimated peak there).
+    After one warm-up step, hot switching trains --steps steps; then each static config that fits
+    every bucket within the budget trains the same batches (warm-up step, then --steps). Prints
+    tokens/s of each (step time: compilation and profiling excluded), the ratio hot / best static,
+    and the share of the hot step time spent switching. Default configs: dp=W and tp=W,sp.
     """
-    from distconfig import DistConfig
     from hotswitch.launch import LaunchError, launch
 
-    opts = _options(args, warmup_steps=1, quiet=False)
+    opts = _options(args, warmup_steps=1)
+    print(f"hotswitch bench train: {opts.model} on {opts.world_size} CPU processes, configs {' | '.join(opts.configs)}, "
+          f"{opts.steps} steps of {opts.batch_size} sequences (+1 warm-up) from {opts.dataset}", flush=True)
     t0 = time.perf_counter()
     try:
-        budget = opts.memory_budget
-        if budget is None:
-            probe = launch(_probe_worker, opts.world_size, replace(opts, steps=1, warmup_steps=0, quiet=True))
-            budget = int(args.budget_fraction * probe["dp_peak_at_longest"])
-            print(f"budget: {budget / 2**20:.1f} MiB per rank = {args.budget_fraction:g} x pure DP "
-                  f"({probe['dp_config']})'s estimated peak at the longest bucket ({probe['longest']} tokens)", flush=True)
-            fitting = [spec for spec in opts.configs if all(r["peak_bytes"] <= budget for r in probe["profile"]
-                                                            if r["config"] == DistConfig.parse(spec).name)]
-        else:
-            fitting = list(opts.configs)
-        opts = replace(opts, memory_budget=budget)
-        print(f"hot switching over {' | '.join(opts.configs)} ...", flush=True)
-        hot = launch(_train_worker, opts.world_size, opts)
-        print(_summary_line(hot), flush=True)
-        statics = {}
-        for config in fitting:
-            print(f"static {config} ...", flush=True)
-            statics[config] = launch(_train_worker, opts.world_size, replace(opts, static=config, quiet=True))
-            print(_summary_line(statics[config]), flush=True)
+        out = launch(_bench_worker, opts.world_size, opts, args.budget_fraction)
     except LaunchError as e:
         print(f"hotswitch bench train: {e}", file=sys.stderr, flush=True)
         return 1
-    if not statics:
-        print("no static config fits every bucket within the budget: hot switching is the only way to run this data")
-        return 0
-    best = max(statics, key=lambda c: statics[c]["summary"]["tokens_per_second"])
-    h, b = hot["summary"], statics[best]["summary"]
-    print(f"\nhot switching {h['tokens_per_second']:,.0f} tokens/s vs best static that fits ({best}) "
-          f"{b['tokens_per_second']:,.0f} tokens/s: ratio {h['tokens_per_second'] / b['tokens_per_second']:.2f}x; "
-          f"switching {100 * h['switch_share']:.1f}% of hot step time")
-    out = dict(options=asdict(opts), budget_bytes=budget, hot=hot, static=statics, best_static=best,
-               ratio=h["tokens_per_second"] / b["tokens_per_second"], switch_share=h["switch_share"],
-               seconds=time.perf_counter() - t0)
+    out["seconds"] = time.perf_counter() - t0
+    if out["best_static"] is None:
+        print("no static config fits every bucket within the budget: only hot switching can run this data")
+    else:
+        h, b = out["hot"]["summary"], out["static"][out["best_static"]]["summary"]
+        print(f"\nhot switching {h['tokens_per_second']:,.0f} tokens/s vs the best static config that fits "
+              f"({out['best_static']}) {b['tokens_per_second']:,.0f} tokens/s: ratio {out['ratio']:.2f}x; "
+              f"switching takes {100 * h['switch_share']:.1f}% of the hot step time")
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1, default=str)
     print(f"wrote {args.json} (total {out['seconds']:.0f} s)")
     return 0
 
 
-def _probe_worker(rank: int, opts: TrainOptions) -> dict:
-    """Profile every config at the first batch's bucket lengths; report pure DP's peak at the longest."""
-    import warnings
+def _bench_worker(rank: int, opts: TrainOptions, budget_fraction: float) -> dict:
+    import torch.distributed as dist
 
-    from hotswitch import data as D
-    from hotswitch.trainer import Trainer
-
-    warnings.filterwarnings("ignore", message=r"hotswitch: .* could not be sharded")
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-    model = _model(opts)
-    dataset = _dataset(opts, model.get_input_embeddings().num_embeddings)
-    batch = [dataset[i] for i in D.SampleOrder(len(dataset), opts.batch_size, seed=opts.seed).batch(0)]
-    trainer = Trainer(model, list(opts.configs), dict(name="adamw", lr=opts.lr), buckets=opts.buckets,
-                      num_buckets=len(opts.configs), micro_batch_tokens=opts.micro_batch_tokens, zero1=opts.zero1)
-    bounds = trainer.bucket_bounds([len(s) for s in batch]) if opts.buckets else trainer.choose_buckets([len(s) for s in dataset])
-    trainer.profile(bounds)
-    dp = max(trainer.configs, key=lambda c: c.dp)
-    table = trainer.cost.table()
-    peak = next(r["peak_bytes"] for r in table if r["config"] == dp.name and r["length"] == bounds[-1])
-    return dict(profile=table, dp_config=dp.name, longest=bounds[-1], dp_peak_at_longest=peak)
+    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
+    hot = _Run(opts, list(opts.configs), rank)
+    budget = opts.memory_budget
+    if budget is None:
+        hot.trainer.profile(hot.bounds)
+        dp = max(hot.trainer.configs, key=lambda c: c.dp)
+        peak = next(r["peak_bytes"] for r in hot.trainer.cost.table() if r["config"] == dp.name and r["length"] == hot.bounds[-1])
+        budget = int(budget_fraction * peak)
+        say(f"budget: {budget / 2**20:.1f} MiB per rank = {budget_fraction:g} x the estimated peak of pure DP "
+            f"({dp.name}) at the longest bucket ({hot.bounds[-1]} tokens)")
+    hot.trainer.memory_budget_bytes = budget
+    hot.trainer.profile(hot.bounds)
+    table = hot.trainer.cost.table()
+    for row in table:
+        say(f"  profile {row['config']:>8} at {row['length']:>4} tokens: {row['peak_bytes'] / 2**20:7.1f} MiB"
+            + (f", {row['seconds'] * 1e3:7.1f} ms per micro-batch of {row['rows']} rows" if row["seconds"] else "")
+            + ("" if row["fits"] else "  (over budget: never run)"))
+    say("hot switching:")
+    result = dict(budget_bytes=budget, profile=table, hot=hot.train(), static={})
+    say(_summary_line(result["hot"]))
+    fitting = [c.name for c in hot.trainer.configs if all(r["fits"] for r in table if r["config"] == c.name)]
+    for name in fitting:
+        say(f"static {name}:")
+        spec = next(c for c in hot.trainer.configs if c.name == name)
+        run = _Run(opts, [spec], rank, budget=budget, bounds=hot.bounds)
+        result["static"][name] = run.train()
+        say(_summary_line(result["static"][name]))
+        dist.barrier()
+    speeds = {n: r["summary"]["tokens_per_second"] for n, r in result["static"].items()}
+    best = max(speeds, key=speeds.get) if speeds else None
+    result.update(best_static=best, ratio=result["hot"]["summary"]["tokens_per_second"] / speeds[best] if best else None,
+                  switch_share=result["hot"]["summary"]["switch_share"], options=asdict(opts))
+    return result
