@@ -187,12 +187,13 @@ def micro_batches(sequences: list[torch.Tensor], bucket: Bucket, rows_per_micro_
 # ------------------------------------------------------------------------------------- datasets
 def synthetic_skewed(num_sequences: int, vocab_size: int, max_length: int, seed: int = 0,
                      median_length: int | None = None, min_length: int = 8) -> list[torch.Tensor]:
-    """Seeded sequences with long-tailed (log-normal) lengths, as in chat/code corpora: most are
-    short, a few reach `max_length`. Token ids are uniform in [1, vocab_size) (0 is padding)."""
+    """Seeded sequences with long-tailed (log-normal, sigma 1) lengths, as in chat/code corpora:
+    most are short (median `max_length / 16` by default), a few reach `max_length`. Token ids are
+    uniform in [1, vocab_size) (0 is padding)."""
     if not 2 <= min_length <= max_length:
         raise ValueError(f"need 2 <= min_length <= max_length, got min_length={min_length}, max_length={max_length}")
     rng = np.random.default_rng(seed)
-    median = median_length or max(min_length, max_length // 8)
+    median = median_length or max(min_length, max_length // 16)
     lengths = np.clip(rng.lognormal(np.log(median), 1.0, size=num_sequences), min_length, max_length).astype(np.int64)
     return [torch.from_numpy(rng.integers(1, vocab_size, size=int(n))).to(torch.long) for n in lengths]
 

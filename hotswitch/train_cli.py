@@ -62,7 +62,7 @@ def _train_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="sequences per global batch (default 64)")
     p.add_argument("--max-length", type=int, default=None, help="longest synthetic sequence (default: the model's limit)")
     p.add_argument("--configs", default=None, help="semicolon-separated DistConfigs, e.g. 'dp=4;dp=2,tp=2;tp=4,sp' "
-                   "(default: dp<W>, dp<W/2>tp2, tp<W>sp)")
+                   "(default: dp<W>;tp<W>,sp)")
     p.add_argument("--memory-budget-mib", type=float, default=None, help="per-rank memory budget in MiB (default: none)")
     p.add_argument("--micro-batch-tokens", type=int, default=1024, help="tokens per data-parallel replica per "
                    "micro-batch (default 1024)")
@@ -87,7 +87,8 @@ def _options(args, **extra) -> TrainOptions:
         if args.configs:
             configs = [DistConfig.parse(s) for s in args.configs.split(";")]
         else:
-            configs = [parse_config(n) for n in default_configs(args.world_size)]
+            # HotSPa's two ends: pure DP for short rows, TP+SP for long ones
+            configs = [parse_config(n) for n in default_configs(args.world_size) if "tp" not in n or "sp" in n]
         static = getattr(args, "static", None)
         if static:
             static = DistConfig.parse(static).spec()
@@ -182,30 +183,38 @@ class _Run:
         self.order = D.SampleOrder(len(self.dataset), opts.batch_size, seed=opts.seed)
         # a static run keeps the hot run's buckets: short rows are cheaper under any config
         self.trainer = Trainer(model, configs, dict(name="adamw", lr=opts.lr), budget or opts.memory_budget,
-                               buckets=bounds or opts.buckets, num_buckets=len(opts.configs),
+                               buckets=bounds or opts.buckets,
                                micro_batch_tokens=opts.micro_batch_tokens, zero1=opts.zero1,
                                progress=(lambda m: print(m, flush=True)) if self.show else None)
         if bounds is None and opts.buckets is None:
             self.trainer.choose_buckets([len(s) for s in self.dataset])  # from the dataset's length distribution
         self.bounds = self.trainer.bucket_bounds([len(s) for s in self.dataset])
+        self.reports = []
 
     def train(self) -> dict:
+        """Warm-up steps, then the measured ones, with a progress bar; returns `result()`."""
         from tqdm import tqdm
 
-        opts, reports = self.opts, []
-        total = opts.warmup_steps + opts.steps
+        total = self.opts.warmup_steps + self.opts.steps
         bar = tqdm(total=total, desc="training", unit="step", disable=not self.show or None, leave=False, file=sys.stderr)
         for step in range(total):
-            report = self.trainer.step([self.dataset[i] for i in self.order.batch(step)])
-            if step >= opts.warmup_steps:
-                reports.append(report)
-            if self.show:
-                extra = f" (profile {report.profile_seconds:.1f}s, compile {report.compile_seconds:.1f}s)" \
-                    if report.profile_seconds or report.compile_seconds > 0.05 else ""
-                warm = " [warm-up, not counted]" if step < opts.warmup_steps else ""
-                tqdm.write(report.line() + extra + warm, file=sys.stdout)
+            self.step(step, write=tqdm.write)
             bar.update()
         bar.close()
+        return self.result()
+
+    def step(self, step: int, write=None) -> None:
+        report = self.trainer.step([self.dataset[i] for i in self.order.batch(step)])
+        warm = step < self.opts.warmup_steps
+        if not warm:
+            self.reports.append(report)
+        if self.show:
+            extra = f" (profile {report.profile_seconds:.1f}s, compile {report.compile_seconds:.1f}s)" \
+                if report.profile_seconds + report.compile_seconds > 0.05 else ""
+            (write or print)(report.line() + extra + (" [warm-up, not counted]" if warm else ""), file=sys.stdout)
+
+    def result(self) -> dict:
+        reports = self.reports
         seconds = sum(r.seconds for r in reports)
         switch = sum(r.switch_seconds for r in reports)
         summary = dict(steps=len(reports), tokens=sum(r.tokens for r in reports), seconds=seconds, switch_seconds=switch,
@@ -290,17 +299,21 @@ def _bench_worker(rank: int, opts: TrainOptions, budget_fraction: float) -> dict
         say(f"  profile {row['config']:>8} at {row['length']:>4} tokens: {row['peak_bytes'] / 2**20:7.1f} MiB"
             + (f", {row['seconds'] * 1e3:7.1f} ms per micro-batch of {row['rows']} rows" if row["seconds"] else "")
             + ("" if row["fits"] else "  (over budget: never run)"))
-    say("hot switching:")
-    result = dict(budget_bytes=budget, profile=table, hot=hot.train(), static={})
-    say(_summary_line(result["hot"]))
-    fitting = [c.name for c in hot.trainer.configs if all(r["fits"] for r in table if r["config"] == c.name)]
-    for name in fitting:
-        say(f"static {name}:")
-        spec = next(c for c in hot.trainer.configs if c.name == name)
-        run = _Run(opts, [spec], rank, budget=budget, bounds=hot.bounds)
-        result["static"][name] = run.train()
-        say(_summary_line(result["static"][name]))
-        dist.barrier()
+    fitting = [c for c in hot.trainer.configs if all(r["fits"] for r in table if r["config"] == c.name)]
+    statics = {c.name: _Run(opts, [c], rank, budget=budget, bounds=hot.bounds) for c in fitting}
+    runs = {"hot switching": hot, **{f"static {n}": r for n, r in statics.items()}}
+    # side by side: every run takes global batch k before any takes k + 1, so all see the same machine
+    for step in range(opts.warmup_steps + opts.steps):
+        for label, run in runs.items():
+            if run.show:
+                print(f"{label}: ", end="", flush=True)
+            run.step(step)
+            dist.barrier()
+    result = dict(budget_bytes=budget, profile=table, hot=hot.result(),
+                  static={n: r.result() for n, r in statics.items()})
+    say(f"hot switching: {_summary_line(result['hot'])}")
+    for n, r in result["static"].items():
+        say(f"static {n}: {_summary_line(r)}")
     speeds = {n: r["summary"]["tokens_per_second"] for n, r in result["static"].items()}
     best = max(speeds, key=speeds.get) if speeds else None
     result.update(best_static=best, ratio=result["hot"]["summary"]["tokens_per_second"] / speeds[best] if best else None,

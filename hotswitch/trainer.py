@@ -124,7 +124,7 @@ class Trainer:
 
     Options: `base` (config holding masters and optimizer; default the most model-parallel),
     `buckets` (length bounds; default from the first batch's length distribution, `num_buckets`
-    of them), `bucket_configs` (one config name per bucket, skipping the cost model),
+    of them, default max(3, number of configs)), `bucket_configs` (one config name per bucket, skipping the cost model),
     `micro_batch_tokens` (tokens per data-parallel replica per micro-batch), `compute_dtype`
     (default float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks),
     `progress(message)` for long phases, `strict` (default False: an op DTensor cannot shard at
@@ -158,7 +158,7 @@ class Trainer:
         sp_degrees = [c.tp for c in self.configs if c.sp]
         self.length_multiple = math.lcm(length_multiple, *sp_degrees) if sp_degrees else length_multiple
         self._report = progress or (lambda message: None)
-        self._num_buckets = num_buckets or len(self.configs)
+        self._num_buckets = num_buckets or max(3, len(self.configs))
         self._boundaries: tuple[int, ...] | None = None
         if buckets is not None:
             self._boundaries = tuple(sorted({int(b) for b in buckets}))
