@@ -178,7 +178,7 @@ class GPT(nn.Module):
         if self.cfg.position == "learned":
             x = x + self.pos_embed(positions)
         else:
-            cos, sin = rope_tables(t, self.cfg.dim // self.cfg.n_heads, input_ids.device)
+            cos, sin = (r.to(x.dtype) for r in rope_tables(t, self.cfg.dim // self.cfg.n_heads, input_ids.device))
             if position_ids is not None:  # [B, 1, T, head_dim]: per-row positions, broadcast over heads
                 cos, sin = F.embedding(position_ids, cos).unsqueeze(1), F.embedding(position_ids, sin).unsqueeze(1)
         for layer in self.layers:
