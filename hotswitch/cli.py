@@ -36,17 +36,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------------------- shared
-_CONFIG_NAME = re.compile(r"(?:dp(\d+))?(?:tp(\d+))?(sp)?")
+_CONFIG_NAME = re.compile(r"(?:dp(\d+))?(?:tp(\d+))?(?:pp(\d+))?(sp)?")
 
 
 def parse_config(name: str):
-    """'dp2tp2' -> DistConfig('dp2tp2', dp=2, tp=2); 'tp4sp' -> tp=4, sp=True."""
+    """'dp2tp2' -> DistConfig('dp2tp2', dp=2, tp=2); 'tp4sp' -> tp=4, sp=True; 'tp2pp2' -> tp=2, pp=2."""
     import hotswitch as hs
 
     m = _CONFIG_NAME.fullmatch(name)
     if not name or not m:
-        raise argparse.ArgumentTypeError(f"config {name!r} is not of the form dp<N>tp<M>[sp], e.g. dp4, dp2tp2, tp4sp")
-    return hs.DistConfig(name, dp=int(m[1] or 1), tp=int(m[2] or 1), sp=bool(m[3]))
+        raise argparse.ArgumentTypeError(f"config {name!r} is not of the form dp<N>tp<M>pp<K>[sp] (degrees of 1 "
+                                         "may be left out), e.g. dp4, dp2tp2, tp4sp, tp2pp2")
+    return hs.DistConfig(name, dp=int(m[1] or 1), tp=int(m[2] or 1), pp=int(m[3] or 1), sp=bool(m[4]))
 
 
 def default_configs(world_size: int) -> list[str]:

@@ -146,6 +146,10 @@ class Trainer:
         if not self.configs:
             raise ValueError("configs is empty: give at least one DistConfig, e.g. ['dp=4', 'tp=4,sp']")
         names = [c.name for c in self.configs]
+        piped = [c.name for c in self.configs if c.pp > 1]
+        if piped:
+            raise ValueError(f"configs {piped} have pp > 1: the Trainer runs pp = 1 configs (DP, TP, SP); pipeline "
+                             "configs train through CompiledModel.forward_backward(..., micro_batches=k)")
         self.base = base or default_base(self.configs).name
         if self.base not in names:
             raise ValueError(f"base config {self.base!r} is not among the configs {names}")
