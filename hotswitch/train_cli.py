@@ -111,7 +111,9 @@ def run_train(args) -> int:
     from hotswitch.launch import LaunchError, launch
 
     opts = _options(args)
-    what = f"static {opts.static}" if opts.static else "configs " + " | ".join(opts.configs)
+    what = f"static {_name(opts.static)}" if opts.static else "configs " + ", ".join(_name(c) for c in opts.configs)
+    if opts.memory_budget:
+        what += f", memory budget {opts.memory_budget / 2**20:g} MiB per rank"
     print(f"hotswitch train: {opts.model} on {opts.world_size} CPU processes (gloo), {what}; {opts.steps} steps of "
           f"{opts.batch_size} sequences from {opts.dataset}", flush=True)
     t0 = time.perf_counter()
@@ -125,6 +127,12 @@ def run_train(args) -> int:
         print(f"wrote {opts.save_final}", flush=True)
     print(f"total {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
+
+
+def _name(spec: str) -> str:
+    from distconfig import DistConfig
+
+    return DistConfig.parse(spec).name
 
 
 def _summary_line(result: dict) -> str:
@@ -257,7 +265,8 @@ def run_bench_train(args) -> int:
     from hotswitch.launch import LaunchError, launch
 
     opts = _options(args, warmup_steps=1)
-    print(f"hotswitch bench train: {opts.model} on {opts.world_size} CPU processes, configs {' | '.join(opts.configs)}, "
+    print(f"hotswitch bench train: {opts.model} on {opts.world_size} CPU processes, configs "
+          f"{', '.join(_name(c) for c in opts.configs)}, "
           f"{opts.steps} steps of {opts.batch_size} sequences (+1 warm-up) from {opts.dataset}", flush=True)
     t0 = time.perf_counter()
     try:
