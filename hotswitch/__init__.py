@@ -1,7 +1,7 @@
 """hotswitch: compile a model once for several parallel layouts and switch between them while training."""
 from distconfig import DistConfig, Topology
 
-__all__ = ["CompiledModel", "DistConfig", "Topology", "compile"]
+__all__ = ["CompiledModel", "DistConfig", "StepReport", "Topology", "Trainer", "compile"]
 
 
 def __getattr__(name):
@@ -10,4 +10,8 @@ def __getattr__(name):
         from . import api
 
         return getattr(api, name)
+    if name in ("Trainer", "StepReport"):
+        from . import trainer
+
+        return getattr(trainer, name)
     raise AttributeError(f"module 'hotswitch' has no attribute {name!r}")

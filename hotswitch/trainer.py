@@ -15,6 +15,7 @@ cross-entropy over all of the batch's target tokens.
 """
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import time
@@ -180,8 +181,6 @@ class Trainer:
         first_param = next(model.parameters())
         masters_fp32 = {n: p.detach().float() for n, p in model.named_parameters(remove_duplicate=False)}
         if first_param.dtype != self.compute_dtype:
-            import copy
-
             model = copy.deepcopy(model).to(self.compute_dtype)
         self.vocab_size = _vocab_size(model)
         self.loss_module = PackedCausalLMLoss(model)

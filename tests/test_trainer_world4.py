@@ -171,9 +171,12 @@ def test_memory_budget_moves_long_rows_to_tensor_parallel(results):
 def test_bad_arguments_are_named():
     import torch.distributed as dist
 
+    import hotswitch as hs
+
+    assert hs.Trainer is Trainer  # the public name
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
-        Trainer(_model("gpt"), CONFIGS)
+        hs.Trainer(_model("gpt"), CONFIGS)
 
 
 def test_bf16_compute_with_fp32_masters_tracks_single_device(results):
