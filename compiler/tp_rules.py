@@ -32,6 +32,17 @@ _BARRIER_OPS = {aten.native_layer_norm.default, aten.embedding.default, aten.rsq
 _SIZE_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
 
 
+def param_views(graph: fx.Graph, num_params: int) -> set[fx.Node]:
+    """The first `num_params` placeholders (the parameters) and every view of them: the nodes whose
+    placement a config pins (Megatron's layout), so propagation may not redistribute them."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"][:num_params]
+    derived = set(placeholders)
+    for n in graph.nodes:
+        if n.op == "call_function" and n.target in VIEW_OPS and n.args and n.args[0] in derived:
+            derived.add(n)
+    return derived
+
+
 def _is_size(node: fx.Node) -> bool:
     """A (symbolic) size rather than data: sym_size and arithmetic on sizes."""
     return isinstance(node.meta.get("val"), _SIZE_TYPES)

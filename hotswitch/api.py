@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from compiler import _dtensor as dt
 from compiler.lower import OutputPlan, lower, propagate_graph
 from compiler.stages import StageSplit, split_stages
-from compiler.tp_rules import VIEW_OPS, TPRoles, infer_tp_roles
+from compiler.tp_rules import TPRoles, infer_tp_roles, param_views
 from compiler.trace import LogicGraph, seq_symbol, trace
 from distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch
 
@@ -512,7 +512,7 @@ class CompiledModel:
     def _lower(self, st: ConfigState, graph: fx.Graph, shapes: tuple, with_grads: bool) -> fx.GraphModule:
         t0 = time.perf_counter()
         specs = self._placeholder_specs(st, self._virtual_shapes(st, shapes), self._example_inputs)
-        pinned = _param_derived(graph, len(self.logic.param_names))
+        pinned = param_views(graph, len(self.logic.param_names))
         sharding = propagate_graph(graph, st.mesh, specs, sp_axis=st.axis.get("tp") if st.config.sp else None,
                                    seq_symbol=seq_symbol(graph, self.logic.num_inputs), pinned_nodes=pinned, strict=self.strict)
         plan = OutputPlan(split_loss=self.logic.split_loss, num_losses=2 if self.logic.split_loss else 1,
@@ -669,15 +669,6 @@ class CompiledModel:
 def _split_size(n: int, parts: int, index: int) -> int:
     """Rows of part `index` when n rows are split by torch.tensor_split into `parts`."""
     return n // parts + (1 if index < n % parts else 0)
-
-
-def _param_derived(graph: fx.Graph, num_params: int) -> set[fx.Node]:
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"][:num_params]
-    derived = set(placeholders)
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target in VIEW_OPS and n.args and n.args[0] in derived:
-            derived.add(n)
-    return derived
 
 
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,

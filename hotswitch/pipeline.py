@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 from compiler import _dtensor as dt
 from compiler.lower import OutputPlan, StageOutputPlan, lower, lower_reduction, propagate_graph
 from compiler.stages import Stage, split_forward_backward, stage_joint
-from compiler.tp_rules import VIEW_OPS
+from compiler.tp_rules import param_views
 from compiler.trace import LogicGraph
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -90,15 +90,6 @@ class StepStats:
     recvs: int = 0
     bytes_sent: int = 0
     seconds: float = 0.0
-
-
-def _param_derived(graph: fx.Graph, num_params: int) -> set[fx.Node]:
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"][:num_params]
-    derived = set(placeholders)
-    for n in graph.nodes:
-        if n.op == "call_function" and n.target in VIEW_OPS and n.args and n.args[0] in derived:
-            derived.add(n)
-    return derived
 
 
 def _concrete(size, values: dict) -> int:
@@ -158,7 +149,7 @@ def lower_stage(logic: LogicGraph, stage: Stage | None, st, buffers: list[torch.
     specs += [boundary_spec(ph.meta["val"]) for ph in boundary]
     n_acts_in = len(stage.acts_in) if stage is not None else 0
     sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if config.sp else None, seq_symbol=seq_sym,
-                               pinned_nodes=_param_derived(graph, n_p), strict=strict)
+                               pinned_nodes=param_views(graph, n_p), strict=strict)
     out_vals = [n.meta["val"] for n in _leaves(graph)]
     n_losses = 2 if is_last else 1
     sent = [(i, boundary_spec(out_vals[i])) for i in range(n_out)]  # activations, in the next stage's layout
