@@ -288,10 +288,6 @@ class CompiledModel:
                                  f"under {self._active!r}, got {got}")
         self._local = {n: local[n] for n in self._local}
 
-    def gather_full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Full tensors from per-parameter shards in the active layout (a collective: call on every rank)."""
-        return self._full(local)
-
     def layouts(self, name: str) -> dict[str, Layout]:
         """{parameter name: distconfig Layout} under config `name` (pure: no communication)."""
         self._state(name)

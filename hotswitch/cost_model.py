@@ -56,9 +56,6 @@ class CostModel:
         probe = self.probes.get((config, length))
         return probe is not None and (probe.seconds is not None or not probe.fits(self.memory_budget_bytes))
 
-    def fits(self, config: str, length: int) -> bool:
-        return self.probes[(config, length)].fits(self.memory_budget_bytes)
-
     def micro_batches(self, config: str, demand: BucketDemand) -> int:
         return math.ceil(demand.rows / self.probes[(config, demand.length)].rows)
 
