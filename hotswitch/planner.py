@@ -66,7 +66,7 @@ import torch
 from distconfig import Layout, Mesh, Topology
 from distconfig.layout import Box
 
-__all__ = ["ALGORITHMS", "PlanCache", "SwitchPlan", "TensorMove", "Transfer", "plan_switch"]
+__all__ = ["ALGORITHMS", "LostState", "PlanCache", "SwitchPlan", "TensorMove", "Transfer", "plan_switch", "unowned"]
 
 ALGORITHMS = ("greedy", "fcfs", "round_robin", "gather")
 
@@ -441,11 +441,13 @@ class _Pair:
     lower_bound_elems: int  # elements receivers lack (sum over receivers)
 
 
-def _pair(src: Layout, dst: Layout) -> _Pair:
+def _pair(src: Layout, dst: Layout, unavailable: frozenset[int] = frozenset()) -> _Pair:
     g = _geometry(src.global_shape, src.mesh.shape, src.placements, dst.mesh.shape, dst.placements)
     src_dev = np.asarray(src.mesh.devices, dtype=np.int64)
     dst_dev = np.asarray(dst.mesh.devices, dtype=np.int64)
     keep = g.src_box_of_pos >= 0
+    if unavailable:  # devices that are gone own nothing (and receive nothing: checked by plan_switch)
+        keep &= ~np.isin(src_dev, np.fromiter(unavailable, dtype=np.int64))
     ob, od = g.src_box_of_pos[keep], src_dev[keep]
     order = np.lexsort((od, ob))
     owner_dev = od[order]
@@ -481,9 +483,37 @@ def _pair(src: Layout, dst: Layout) -> _Pair:
 # ---------------------------------------------------------------- planning
 
 
-def plan_switch(moves: Sequence[TensorMove], topology: Topology, algorithm: str = "greedy") -> SwitchPlan:
-    """Plan moving every tensor of `moves` from its `src` layout to its `dst` layout (see module doc)."""
+class LostState(ValueError):
+    """Some slices of the state are held by no available device (see `unowned`)."""
+
+    def __init__(self, lost: dict[str, list[Box]]):
+        self.lost = lost
+        names = sorted(lost)
+        super().__init__(f"{len(names)} tensors have slices held by no available device (e.g. {names[0]!r} "
+                         f"{lost[names[0]][0]}): restore them from a checkpoint")
+
+
+def unowned(moves: Sequence[TensorMove], unavailable: frozenset[int] | set[int]) -> dict[str, list[Box]]:
+    """{tensor: its source boxes that no available device holds}: what only a checkpoint can restore
+    after the `unavailable` devices are gone (empty when every slice has a surviving replica)."""
+    gone = frozenset(unavailable)
+    lost: dict[str, list[Box]] = {}
+    for m in moves:
+        for box, owners in m.src.owners().items():
+            if all(d in gone for d in owners):
+                lost.setdefault(m.name, []).append(box)
+    return lost
+
+
+def plan_switch(moves: Sequence[TensorMove], topology: Topology, algorithm: str = "greedy",
+                unavailable: frozenset[int] | set[int] = frozenset()) -> SwitchPlan:
+    """Plan moving every tensor of `moves` from its `src` layout to its `dst` layout (see module doc).
+
+    `unavailable`: source devices that are gone (a failure, a scale-in that already happened); their
+    slices come from other owners, and `LostState` is raised when some slice has none left.
+    """
     t0 = time.perf_counter()
+    unavailable = frozenset(int(d) for d in unavailable)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown switch algorithm {algorithm!r}; use one of {ALGORITHMS}")
     if not isinstance(topology, Topology):
@@ -492,6 +522,10 @@ def plan_switch(moves: Sequence[TensorMove], topology: Topology, algorithm: str 
     for m in moves:
         if not isinstance(m, TensorMove):
             raise ValueError(f"plan_switch takes TensorMoves, got {type(m).__name__}")
+    if unavailable:
+        lost = unowned(moves, unavailable)
+        if lost:
+            raise LostState(lost)
     names = [m.name for m in moves]
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
@@ -510,9 +544,13 @@ def plan_switch(moves: Sequence[TensorMove], topology: Topology, algorithm: str 
                     f"tensor {m.name!r}: {side} layout uses device {max(layout.mesh.devices)} but the topology "
                     f"has {topology.num_devices} devices; use a Topology that covers every mesh device"
                 )
+        gone = unavailable.intersection(m.dst.mesh.devices)
+        if gone:
+            raise ValueError(f"tensor {m.name!r}: the destination layout places it on unavailable devices "
+                             f"{sorted(gone)}; build the destination on the available devices only")
         key = (m.src, m.dst)
         if key not in pairs:
-            pairs[key] = _pair(m.src, m.dst)
+            pairs[key] = _pair(m.src, m.dst, unavailable)
     return _Planner(moves, [pairs[(m.src, m.dst)] for m in moves], topology, algorithm).run(t0)
 
 

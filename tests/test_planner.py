@@ -317,3 +317,42 @@ def test_gpt3_175b_switch_plans_in_seconds():
     # tp 8 -> 4 keeps every receiver's data on its own node: nothing crosses nodes
     assert plan.inter_node_bytes == 0
     assert len(plan.by_peer(0)) > 0
+
+
+# ---------------------------------------------------------------- devices that are gone (elastic)
+
+
+def _lost_device_moves(src_shape, src_placements, dst_devices, dst_shape, dst_placements):
+    shape = (12, 10)
+    src = Layout(shape, Mesh.from_shape(src_shape, ("dp", "tp")[-len(src_shape):]), src_placements)
+    dst = Layout(shape, Mesh.from_shape(dst_shape, ("dp", "tp")[-len(dst_shape):], dst_devices), dst_placements)
+    return [TensorMove("w", shape, 4, src, dst)]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_plan_without_a_failed_device_takes_its_slices_from_replicas(algorithm):
+    """dp2tp2 on 0..3, device 3 gone, dp3 on 0..2: device 3's TP half comes from its dp peer 1, exactly."""
+    from hotswitch.planner import unowned
+
+    moves = _lost_device_moves((2, 2), (Replicate(), Shard(1)), [0, 1, 2], (3,), (Replicate(),))
+    assert unowned(moves, {3}) == {}
+    plan = plan_switch(moves, Topology(4, 4), algorithm=algorithm, unavailable={3})
+    assert all(t.src_device != 3 for t in plan.transfers)
+    value = np.arange(120).reshape(12, 10)
+    shards = {"w": shard_all(moves[0].src, value)}
+    shards["w"].pop(3)  # the failed device's memory is gone
+    out, count = apply_plan(plan, moves, shards)
+    for d in (0, 1, 2):
+        assert np.array_equal(out["w"][d], value) and count[("w", d)].max() == 1
+
+
+def test_plan_reports_slices_no_survivor_holds():
+    from hotswitch.planner import LostState, unowned
+
+    moves = _lost_device_moves((4,), (Shard(0),), [0, 1, 2], (3,), (Shard(1),))  # tp4: no replica of anything
+    assert unowned(moves, {2}) == {"w": [((6, 9), (0, 10))]}
+    with pytest.raises(LostState, match="checkpoint"):
+        plan_switch(moves, Topology(4, 4), unavailable={2})
+    with pytest.raises(ValueError, match="unavailable devices"):  # a gone device cannot receive
+        plan_switch(_lost_device_moves((2, 2), (Replicate(), Shard(1)), [0, 1, 2, 3], (4,), (Replicate(),)),
+                    Topology(4, 4), unavailable={3})
