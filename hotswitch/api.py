@@ -57,7 +57,8 @@ def _mesh_axes(config: DistConfig) -> tuple[list[str], list[int]]:
 
 class CompiledModel:
     def __init__(self, model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
-                 topology: Topology | None = None, lazy: bool = False, progress=None):
+                 topology: Topology | None = None, lazy: bool = False, progress=None,
+                 logic: LogicGraph | None = None):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU), on every rank")
@@ -82,7 +83,8 @@ class CompiledModel:
         report = progress or (lambda message: None)
         report("tracing")
         t0 = time.perf_counter()
-        self.logic: LogicGraph = trace(model, self._example_inputs)
+        # `logic`: this model's LogicGraph from an earlier compile (elastic changes re-compile, not re-trace)
+        self.logic: LogicGraph = logic if logic is not None else trace(model, self._example_inputs)
         self.trace_seconds = time.perf_counter() - t0
         self.roles: TPRoles = infer_tp_roles(self.logic.forward.graph, self.logic.param_names, len(self.logic.buffer_names))
         tensors = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
@@ -292,6 +294,35 @@ class CompiledModel:
         """{parameter name: distconfig Layout} under config `name` (pure: no communication)."""
         self._state(name)
         return self._layouts(name)
+
+    def layouts_for(self, config: DistConfig, devices) -> dict[str, Layout]:
+        """{parameter name: Layout} under `config` laid out on `devices` (any ids, e.g. the ranks of
+        another process group): pure, for configs this model was not compiled for (elastic changes).
+        Only pp = 1 configs."""
+        if config.pp > 1:
+            raise ValueError(f"layouts_for supports pp = 1 configs, got {config.name!r} (pp={config.pp})")
+        devices = [int(d) for d in devices]
+        if config.world_size != len(devices):
+            raise ValueError(f"config {config.name!r} needs {config.world_size} devices, got {len(devices)}: {devices}")
+        names, shape = _mesh_axes(config)
+        mesh = Mesh.from_shape(shape, names, devices)
+        axis = {a: i for i, a in enumerate(names)}
+        return {n: Layout(tuple(self.logic.param_shapes[n]), mesh,
+                          tuple(from_torch(p) for p in self._param_placement(n, config, axis, len(names))))
+                for n in self.logic.param_names}
+
+    def as_dtensors(self, local: dict[str, torch.Tensor]) -> dict[str, DTensor]:
+        """Per-parameter shards in the active layout as DTensors (no communication), e.g. for a
+        torch.distributed.checkpoint save or a resharding load. Only pp = 1 configs."""
+        st = self._states[self._active]
+        if st.full_mesh is not None:
+            raise ValueError(f"as_dtensors supports pp = 1 configs; {self._active!r} has pp={st.config.pp}")
+        out = {}
+        for n, t in local.items():
+            shape = tuple(self.logic.param_shapes[n])
+            out[n] = DTensor.from_local(t, st.mesh, st.param_specs[n], run_check=False, shape=shape,
+                                        stride=torch.empty(shape, device="meta").stride())
+        return out
 
     def process_group(self, name: str, axis: str):
         """The process group of this rank along mesh axis `axis` ('dp', 'tp', or 'pp': this rank's
@@ -668,7 +699,8 @@ def _split_size(n: int, parts: int, index: int) -> int:
 
 
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
-            topology: Topology | None = None, lazy: bool = False, progress=None) -> CompiledModel:
+            topology: Topology | None = None, lazy: bool = False, progress=None,
+            logic: LogicGraph | None = None) -> CompiledModel:
     """Trace `model` (forward returns a scalar mean loss) once and compile it for every config.
 
     Call on every rank after `dist.init_process_group`, with identical weights on every rank. The
@@ -676,4 +708,5 @@ def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = T
     each config's ExecGraph on its first use instead of now (switching needs only the layouts);
     `progress(message)` is called as each phase starts ("tracing", "compiling dp4", ...).
     """
-    return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy, progress=progress)
+    return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy, progress=progress,
+                         logic=logic)

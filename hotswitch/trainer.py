@@ -130,8 +130,8 @@ class Trainer:
     (default float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks),
     `progress(message)` for long phases, `strict` (default False: an op DTensor cannot shard at
     some micro-batch shape, e.g. GQA's head regrouping with one row under tp > kv heads, runs
-    replicated with a warning instead of failing; results stay exact). Call `step` with the same
-    global batch on every rank.
+    replicated with a warning instead of failing; results stay exact), `logic` (the LogicGraph of an
+    earlier Trainer of the same model: skips tracing). Call `step` with the same global batch on every rank.
     """
 
     def __init__(self, model: nn.Module, configs, optimizer: dict | None = None, memory_budget_bytes: int | None = None,
@@ -139,7 +139,7 @@ class Trainer:
                  bucket_configs: Sequence[str] | None = None, micro_batch_tokens: int = 2048,
                  compute_dtype: torch.dtype | None = None, zero1: bool = False, length_multiple: int = 16,
                  profile_repeats: int = 3, strict: bool = False, topology: Topology | None = None,
-                 progress: Callable[[str], None] | None = None):
+                 progress: Callable[[str], None] | None = None, logic=None):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.Trainer needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
@@ -188,10 +188,14 @@ class Trainer:
         example = _example_inputs(2, self.length_multiple)
         self._report("tracing the model")
         self.cm: CompiledModel = hs_compile(self.loss_module, example, self.configs, lazy=True, topology=topology,
-                                            strict=strict)
+                                            strict=strict, logic=logic)
         self.cm.grad_dtype = torch.float32
         self.cost = CostModel(memory_budget_bytes)
         self.step_count = 0
+        # Called on every rank as `on_phase(phase, step)` by an elastic driver (`hotswitch.elastic`):
+        # "compiled" when the step's graphs are compiled and its collectives begin; "update" just
+        # before the optimizer changes anything (raising there leaves the step-start state intact).
+        self.on_phase: Callable[[str, int], None] | None = None
         self.cm.switch(self.base)
         self._init_optimizer({n: masters_fp32[n.removeprefix("model.")] for n in self.cm.logic.param_names})
 
@@ -203,7 +207,9 @@ class Trainer:
         demands = [BucketDemand(b.high, len(b.rows)) for b in buckets]
         compile_before = self._compile_seconds()
         profile_seconds = 0.0
-        if self.bucket_configs is None:
+        if self.bucket_configs is None and len(self.configs) == 1 and self.memory_budget_bytes is None:
+            chosen = [self.configs[0].name] * len(buckets)  # nothing to choose: no profiling
+        elif self.bucket_configs is None:
             t0 = time.perf_counter()
             self.profile(sorted({d.length for d in demands}))
             profile_seconds = time.perf_counter() - t0
@@ -219,6 +225,7 @@ class Trainer:
             rows = self.rows_per_micro_batch(config, bucket.high)
             self.cm.exec_graph(config.name, ((rows, bucket.high),) * 3)
         compile_seconds = self._compile_seconds() - compile_before
+        self._phase("compiled")
 
         t_step = time.perf_counter()
         order = self.cm.plan_order(sorted(set(chosen) | {self.base}, key=[c.name for c in self.configs].index), base=self.base)
@@ -246,6 +253,7 @@ class Trainer:
                     loss += float(self.cm.forward_backward(*local, grad_scale=weight)) * weight
                 bucket_seconds[k] += time.perf_counter() - t0
         assert self.cm.active == self.base
+        self._phase("update")
         t0 = time.perf_counter()
         self._optimizer_step()
         optimizer_seconds = time.perf_counter() - t0
@@ -284,6 +292,67 @@ class Trainer:
         """Full fp32 weights under the keys of the model's state_dict (a collective: every rank)."""
         full = self.cm.full_state_dict(params=self._master_shards())
         return {k.removeprefix("model."): v for k, v in full.items()}
+
+    # -------------------------------------------------------------------------------- job state
+    def job_state(self) -> dict[str, torch.Tensor]:
+        """This rank's shards, in the base layout, of everything the next step depends on: the fp32
+        masters ("param:NAME") and AdamW's moments ("exp_avg:NAME", "exp_avg_sq:NAME"; zeros before
+        the first step). With `step_count` this is the whole training state between steps (gradient
+        accumulators are empty then). The tensors are the live ones: copy before mutating."""
+        self._require_unsharded_optimizer("job_state")
+        out = {}
+        for n in self._names:
+            p = self._masters[n]
+            st = self.optimizer.state.get(p, {})
+            out[f"param:{n}"] = p.detach()
+            out[f"exp_avg:{n}"] = st["exp_avg"] if "exp_avg" in st else torch.zeros_like(p)
+            out[f"exp_avg_sq:{n}"] = st["exp_avg_sq"] if "exp_avg_sq" in st else torch.zeros_like(p)
+        return out
+
+    def load_job_state(self, state: dict[str, torch.Tensor], step: int) -> None:
+        """Install `job_state()`-shaped shards (this rank's, base layout) and the step counter: the
+        inverse of `job_state`, bit for bit."""
+        self._require_unsharded_optimizer("load_job_state")
+        expected = {f"{k}:{n}" for n in self._names for k in ("param", "exp_avg", "exp_avg_sq")}
+        if set(state) != expected:
+            raise ValueError(f"load_job_state: missing {sorted(expected - set(state))[:3]}, unexpected "
+                             f"{sorted(set(state) - expected)[:3]}")
+        for n in self._names:
+            p = self._masters[n]
+            for kind in ("param", "exp_avg", "exp_avg_sq"):
+                if tuple(state[f"{kind}:{n}"].shape) != tuple(p.shape):
+                    raise ValueError(f"load_job_state: {kind}:{n} has shape {tuple(state[f'{kind}:{n}'].shape)}, this "
+                                     f"rank's shard under {self.base!r} has {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(state[f"param:{n}"])
+            self.optimizer.state.pop(p, None)
+            if step > 0:  # torch's AdamW state: the step as a float32 scalar tensor, the two moments
+                self.optimizer.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32),
+                                           "exp_avg": state[f"exp_avg:{n}"].clone(),
+                                           "exp_avg_sq": state[f"exp_avg_sq:{n}"].clone()}
+        self.cm.zero_grad()
+        self.cm.set_local_params({n: t if t.dtype == self.compute_dtype else t.to(self.compute_dtype)
+                                  for n, t in self._master_shards().items()})
+        self.step_count = step
+
+    def full_job_state(self) -> dict[str, torch.Tensor]:
+        """`job_state()` gathered to full tensors (a collective: every rank)."""
+        assert self.cm.active == self.base
+        local = self.job_state()
+        out = {}
+        for kind in ("param", "exp_avg", "exp_avg_sq"):
+            full = self.cm.full_state_dict(canonical=True, params={n: local[f"{kind}:{n}"] for n in self._names})
+            out.update({f"{kind}:{n}": t for n, t in full.items()})
+        return out
+
+    def _require_unsharded_optimizer(self, what: str) -> None:
+        if self._dp_group is not None:
+            raise ValueError(f"{what}: the optimizer states are ZeRO-1 chunks (zero1=True), which elastic changes do "
+                             "not move yet; train with zero1=False")
+
+    def _phase(self, phase: str) -> None:
+        if self.on_phase is not None:
+            self.on_phase(phase, self.step_count)
 
     # ----------------------------------------------------------------------------------- profiling
     def profile(self, lengths: Sequence[int]) -> list[Probe]:
