@@ -286,6 +286,14 @@ class AsyncCheckpointer:
             self._job = None  # reported once
             raise
 
+    def abandon(self) -> None:
+        """After a failure: drop the save in flight without waiting (its collectives may be waiting on a
+        dead peer). If it never completes, its directory has no manifest and `latest()` skips it."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        self._job = None
+
     @property
     def pending(self) -> bool:
         """Whether a save is still being written."""
