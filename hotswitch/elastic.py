@@ -1,0 +1,424 @@
+"""Elastic training: a `Trainer` whose device set changes while it runs (Tenplex's job, our planner).
+
+Three events change the devices: a planned scale-out or scale-in, a redeployment (same size, other
+workers) and a failure (a worker killed at any point). Each one is a move of the *job state* from
+(config, workers) to (config', workers'), planned by the same planner as a hot switch:
+
+- the job state is what `Trainer.job_state()` holds between steps: fp32 masters and AdamW moments
+  in the base layout, plus the step counter (= data position in the seeded `SampleOrder`, so global
+  batches and the sample order survive any change of DP degree) and the RNG state;
+- the new configs are the user's candidates re-instantiated for the new device count (tp, sp kept,
+  dp scaled; a count no candidate fits leaves the extra workers idle) or a rule `n -> configs`;
+- sources are limited to workers that are still there (`plan_switch(unavailable=...)`); when some
+  slice has no surviving owner (e.g. a TP shard without replica), the whole state comes from the
+  latest complete checkpoint instead (written asynchronously in torch.distributed.checkpoint format
+  every N steps) and the steps since it are replayed: survivors' slices are from a later step and
+  cannot be mixed with the checkpoint's.
+
+A step is committed by a two-phase agreement in the agent's store just before the optimizer
+changes anything (`Membership.agree_to_commit`), so after a failure every survivor knows whether
+the interrupted step counts: either all survivors applied it or none did, and an aborted step is
+simply run again on the new devices with the same global batch.
+"""
+from __future__ import annotations
+
+import base64
+import datetime
+import io
+import json
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distconfig import DistConfig, Topology
+
+from . import checkpoint as ckpt
+from .executor import execute_plan
+from .membership import ElasticError, GenerationRecord, Membership, MembershipChanged, LONG_TIMEOUT
+from .planner import TensorMove, plan_switch, unowned
+from .trainer import Trainer, default_base
+
+__all__ = ["ElasticJob", "Event", "Reconfiguration", "configs_for"]
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True, order=True)
+class Event:
+    """A planned change applied before global batch `step` (after `step` optimizer steps)."""
+
+    step: int
+    kind: str  # "scale" (to `size` workers) | "redeploy" (the same size on new workers)
+    size: int | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("scale", "redeploy"):
+            raise ValueError(f"unknown event kind {self.kind!r}: use 'scale' (with size) or 'redeploy'")
+        if self.kind == "scale" and (self.size is None or self.size < 1):
+            raise ValueError(f"a scale event needs a positive size, got {self.size!r}")
+        if self.step < 0:
+            raise ValueError(f"event step must be >= 0, got {self.step}")
+
+
+@dataclass(frozen=True)
+class Reconfiguration:
+    """What one change of devices did (the same on every worker)."""
+
+    generation: int
+    reason: str  # failure | scale | redeploy
+    step: int  # the job state's step after the change (the next global batch)
+    source: str  # "config on n workers" before
+    destination: str  # after
+    restored_from: str  # "survivors" | "checkpoint step N"
+    lost_tensors: int  # tensors with a slice no survivor held
+    bytes_moved: int  # sent between workers (all of them together)
+    move_seconds: float  # the state move (planning + transfer, or checkpoint verification + load)
+    seconds: float  # from noticing the change to training again (regroup, move, new Trainer)
+    replayed_steps: int  # committed steps run again (from the checkpoint's step)
+
+
+def configs_for(candidates, num_devices: int, min_devices: int = 1) -> tuple[int, list[DistConfig]]:
+    """(devices used, configs) for a job that has `num_devices` workers: the candidates re-instantiated
+    (tp and sp kept, dp scaled) on the largest count <= num_devices that at least one of them fits.
+    `candidates`: DistConfigs, or a rule `n -> list[DistConfig]` (may return [] when n does not suit)."""
+    for n in range(num_devices, min_devices - 1, -1):
+        if callable(candidates):
+            found = list(candidates(n))
+        else:
+            found, names = [], set()
+            for c in candidates:
+                if c.pp != 1 or n % c.tp:
+                    continue
+                config = DistConfig.parse(f"dp={n // c.tp},tp={c.tp}" + (",sp" if c.sp else ""))
+                if config.name not in names:
+                    names.add(config.name)
+                    found.append(config)
+        if found:
+            return n, found
+    raise ElasticError(f"no candidate config fits {num_devices} devices (or any count down to {min_devices}): "
+                       f"candidates {[getattr(c, 'name', c) for c in candidates] if not callable(candidates) else candidates}; "
+                       "add a config with a smaller tensor-parallel degree")
+
+
+@dataclass
+class _Held:
+    """This worker's job state between steps, as the move's source."""
+
+    step: int
+    config: DistConfig
+    members: tuple[str, ...]  # worker ids of the job it belongs to, index = rank
+    tensors: dict[str, torch.Tensor]
+
+
+class ElasticJob:
+    """Runs `Trainer` steps on whatever workers the agent (`membership.run_elastic`) provides.
+
+    `build_model()` returns the same model on every worker (joiners call it too; its weights are
+    used only at the start). `candidates`: DistConfigs for the initial device count, or a rule.
+    `batch(step)` -> (sample ids, list of 1-D token tensors) of global batch `step`.
+    `trainer_options`: keyword arguments of `Trainer` (optimizer, memory_budget_bytes, buckets, ...).
+    `checkpoint_dir`/`checkpoint_every`: asynchronous DCP checkpoints (step 0 and every N steps).
+    `step_timeout_s`: how long a collective inside a step may wait for a peer (detects a dead peer
+    that gloo cannot report). `on_step(report, replayed)` runs on the job's rank 0 after each step;
+    `on_change(when, job)` on every job worker before ("before", old workers; planned changes only)
+    and after ("after", new workers) each change, e.g. to gather `trainer.full_job_state()`.
+    """
+
+    def __init__(self, membership: Membership, build_model: Callable[[], nn.Module], candidates,
+                 batch: Callable[[int], tuple[list[int], list[torch.Tensor]]], *, trainer_options: dict | None = None,
+                 checkpoint_dir: str, checkpoint_every: int = 2, step_timeout_s: float = 30.0,
+                 on_step: Callable | None = None, on_change: Callable[[str, ElasticJob], None] | None = None,
+                 log: Callable[[str], None] | None = None):
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        self.membership = membership
+        self.build_model, self.candidates, self.batch = build_model, candidates, batch
+        self.trainer_options = dict(trainer_options or {})
+        if self.trainer_options.get("zero1"):
+            raise ValueError("elastic training moves whole optimizer states: zero1=True is not supported yet")
+        self.checkpoint_dir, self.checkpoint_every = str(checkpoint_dir), checkpoint_every
+        self.step_timeout = datetime.timedelta(seconds=step_timeout_s)
+        self.on_step, self.on_change = on_step, on_change
+        self._log = log or (lambda message: None)
+        self.trainer: Trainer | None = None
+        self.checkpointer: ckpt.AsyncCheckpointer | None = None
+        self.reconfigurations: list[Reconfiguration] = []
+        self.applied_events: set[int] = set()  # indices of planned events already applied
+        self.max_committed = 0  # the highest step count ever committed (replayed steps are below it)
+        self._model: nn.Module | None = None
+        self.last_report = None
+
+    # ------------------------------------------------------------------------------------ running
+    @property
+    def job_rank(self) -> int:
+        return self.membership.job_members.index(self.membership.wid)
+
+    def run(self, steps: int, events: Sequence[Event] = ()) -> dict | None:
+        """Train until `steps` optimizer steps are committed; returns the result on the job's rank 0
+        (None on other workers and on workers that left)."""
+        events = sorted(events)
+        record = self.membership.next_record()
+        if record.generation == 0:
+            self._start(record)
+        elif not self._transition(record, time.perf_counter()):
+            return None
+        while self.trainer.step_count < steps:
+            step = self.trainer.step_count
+            due = [i for i, e in enumerate(events) if e.step == step and i not in self.applied_events]
+            t0 = time.perf_counter()
+            try:
+                if due:
+                    self.applied_events.add(due[0])
+                    if self._planned(events[due[0]], t0):
+                        continue
+                    return None  # this worker left the job
+                self._step(step)
+            except ElasticError:
+                raise
+            except Exception as error:  # noqa: BLE001 - a peer may have died: see _recover
+                if not self._recover(error, step, t0):
+                    return None
+        return self._finish()
+
+    def _start(self, record: GenerationRecord) -> None:
+        self.membership.join(record)
+        used, configs = configs_for(self.candidates, len(record.job), self.membership.min_size)
+        if used != len(record.job):
+            raise ElasticError(f"no candidate config uses all {len(record.job)} workers at the start; candidates "
+                               f"fit {used}: start with --world-size {used}")
+        self.trainer = self._new_trainer(configs, self.build_model())
+        self._new_checkpointer()
+        self._save_checkpoint()  # step 0: a failure before the first periodic checkpoint is recoverable too
+
+    def _step(self, step: int) -> None:
+        ids, sequences = self.batch(step)
+        report = self.trainer.step(sequences)
+        self.membership.set_timeout(LONG_TIMEOUT)
+        self.last_report = report
+        replayed = report.step <= self.max_committed
+        self.max_committed = max(self.max_committed, report.step)
+        if self.job_rank == 0:
+            self.membership.store.set(f"elastic/samples/{step}", json.dumps(ids))
+            if self.on_step is not None:
+                self.on_step(report, replayed)
+        if report.step % self.checkpoint_every == 0:
+            self._save_checkpoint()
+
+    def _on_phase(self, phase: str, step: int) -> None:
+        """Trainer hook: a store barrier before the step's collectives (so a worker that died while the
+        others compiled is noticed without a timeout), then the short timeout; the commit agreement
+        before the optimizer."""
+        if phase == "compiled":
+            self.membership.barrier(f"s{step}/compiled")
+            self.membership.set_timeout(self.step_timeout)
+        elif phase == "update":
+            self.membership.agree_to_commit(f"s{step}/update")
+
+    def _finish(self) -> dict | None:
+        if self.checkpointer is not None:
+            self.checkpointer.wait()
+        self.membership.barrier("finished")
+        if self.job_rank != 0:
+            return None
+        self.membership.finish()
+        samples = {}
+        for step in range(self.trainer.step_count):
+            key = f"elastic/samples/{step}"
+            if self.membership.store.check([key]):
+                samples[step] = json.loads(self.membership.store.get(key))
+        return dict(steps=self.trainer.step_count, workers=list(self.membership.job_members),
+                    configs=[c.name for c in self.trainer.configs], base=self.trainer.base,
+                    loss=self.last_report.loss if self.last_report is not None else math.nan,
+                    reconfigurations=[asdict(r) for r in self.reconfigurations], samples=samples)
+
+    # ------------------------------------------------------------------------------ changes
+    def _planned(self, event: Event, t0: float) -> bool:
+        """Ask the agent for the change, then move. Returns False if this worker left."""
+        if self.checkpointer is not None:
+            self.checkpointer.wait()  # a planned change leaves no checkpoint half-written
+        self.membership.barrier(f"event{event.step}")
+        if self.on_change is not None:
+            self.on_change("before", self)
+        if self.job_rank == 0:
+            self.membership.request(event.kind, event.size)
+        return self._transition(self.membership.next_record(), t0)
+
+    def _recover(self, error: Exception, step: int, t0: float) -> bool:
+        """After an exception in a step: wait for the agent's next generation (a peer died); if none
+        comes, the exception was ours and is raised. Returns False if this worker left."""
+        self.membership.set_timeout(LONG_TIMEOUT)
+        grace = datetime.timedelta(seconds=max(60.0, 3 * self.step_timeout.total_seconds()))
+        try:
+            record = self.membership.next_record(timeout=grace)
+        except Exception:  # noqa: BLE001 - the store wait timed out: nobody died
+            raise error
+        committed = self.membership.decide_abort(f"s{step}/update")
+        assert self.trainer.step_count == step + (1 if committed else 0), \
+            f"step {step} {'committed' if committed else 'aborted'} but the trainer is at {self.trainer.step_count}"
+        if committed:
+            self.max_committed = max(self.max_committed, step + 1)
+        self.trainer.cm.zero_grad()  # partial gradients of an abandoned step
+        self._log(f"[{self.membership.wid}] step {step + 1} interrupted ({type(error).__name__}); "
+                  f"{'it was committed' if committed else 'it will run again'}")
+        return self._transition(record, t0)
+
+    def _held(self) -> _Held | None:
+        if self.trainer is None:
+            return None
+        t = self.trainer
+        return _Held(t.step_count, t._config(t.base), tuple(self.membership.job_members), t.job_state())
+
+    def _transition(self, record: GenerationRecord, t0: float) -> bool:
+        """Move the job state to `record`'s job; returns False if this worker is not in it."""
+        m = self.membership
+        held = self._held()
+        old_trainer, self.trainer = self.trainer, None
+        logic = old_trainer.cm.logic if old_trainer is not None else None
+        if self.checkpointer is not None:
+            self.checkpointer.abandon()
+            self.checkpointer = None
+        m.join(record)
+        W = len(record.group)
+        # what every worker holds: identical on every survivor (the commit agreement saw to it)
+        desc = None if held is None else (held.step, held.config.spec(), held.members)
+        descs: list = [None] * W
+        dist.all_gather_object(descs, desc)
+        held_by = [d for d in descs if d is not None]
+        if not held_by:
+            raise ElasticError("no worker of the new group holds any job state (every previous worker is gone)")
+        if any(d != held_by[0] for d in held_by):
+            raise ElasticError(f"survivors hold different job states {sorted(set(held_by))}: cannot combine them")
+        step, src_spec, src_members = held_by[0]
+        used, configs = configs_for(self.candidates, len(record.job), m.min_size)
+        job = record.job[:used]
+        base = self._base(configs)
+        if held is not None and m.wid == record.group[0]:  # a survivor: it can compute layouts
+            base_config = next(c for c in configs if c.name == base)
+            moves = self._moves(old_trainer, DistConfig.parse(src_spec), src_members, base_config, job, record.group)
+            meta = dict(rng=torch.get_rng_state(), applied=sorted(self.applied_events), max_committed=self.max_committed,
+                        history=self.reconfigurations)
+        else:
+            moves = meta = None
+        box = [moves, meta]
+        dist.broadcast_object_list(box, src=0)
+        moves, meta = box
+        self.applied_events = set(meta["applied"])
+        self.reconfigurations = list(meta["history"])  # joiners learn what happened before them
+        self.max_committed = max(self.max_committed, meta["max_committed"])
+        gone = frozenset(range(W, W + len(src_members)))  # ids given to source workers not in the group
+        lost = unowned(moves, gone)
+        del old_trainer
+        t_move = time.perf_counter()
+        moved, sent, restored = None, 0, "survivors"
+        if not lost:
+            plan = plan_switch(moves, Topology(W + len(src_members), W + len(src_members)), unavailable=gone)
+            src = {mv.name: mv.src for mv in moves}
+            dst = {mv.name: mv.dst for mv in moves}
+            old = held.tensors if held is not None else {}
+            moved, sent, _ = execute_plan(plan, old, src, dst, dist.get_rank(),
+                                          dtypes={mv.name: torch.float32 for mv in moves})
+            total = torch.tensor([sent], dtype=torch.float64)
+            dist.all_reduce(total)
+            sent = int(total.item())
+        move_seconds = time.perf_counter() - t_move
+        held = None
+        if m.wid not in job:
+            m.leave_group()
+            return False
+        if tuple(record.group) != tuple(job):
+            m.form_job_group(job)
+        else:
+            m.job_members = tuple(job)
+        self.trainer = self._new_trainer(configs, self._model or self.build_model(), base=base, logic=logic)
+        replayed = 0
+        if moved is not None:
+            self.trainer.load_job_state(moved, step)
+            torch.set_rng_state(meta["rng"])
+        else:
+            t_move = time.perf_counter()
+            manifest = self._load_checkpoint()
+            move_seconds = time.perf_counter() - t_move
+            restored = f"checkpoint step {manifest.step}"
+            replayed = step - manifest.step
+            step = manifest.step
+        self._new_checkpointer()
+        report = Reconfiguration(
+            record.generation, record.reason, step, f"{DistConfig.parse(src_spec).name} on {len(src_members)}",
+            f"{base} on {len(job)}", restored, len(lost), sent, move_seconds, time.perf_counter() - t0, replayed)
+        self.reconfigurations.append(report)
+        if self.job_rank == 0:
+            self._log(f"[elastic] {record.reason}: {report.source} -> {report.destination} workers after step {step}, "
+                      f"state from {restored}" + (f" ({len(lost)} tensors had no surviving copy; replaying "
+                                                  f"{replayed} steps)" if lost else f", {sent / 2**20:.2f} MiB moved")
+                      + f" in {move_seconds:.2f} s; training again after {report.seconds:.1f} s")
+        if self.on_change is not None:
+            self.on_change("after", self)
+        return True
+
+    def _base(self, configs: list[DistConfig]) -> str:
+        base = self.trainer_options.get("base")
+        return base if base in [c.name for c in configs] else default_base(configs).name
+
+    @staticmethod
+    def _moves(trainer: Trainer, src_config: DistConfig, src_members, dst_config: DistConfig, job,
+               group) -> list[TensorMove]:
+        """The job state's moves from the old base layout (on the old members, by their rank in the new
+        group; members not in it get ids past the group, never used as sources) to the new base on `job`."""
+        W = len(group)
+        src_devices = [group.index(w) if w in group else W + i for i, w in enumerate(src_members)]
+        src = trainer.cm.layouts_for(src_config, src_devices)
+        dst = trainer.cm.layouts_for(dst_config, [group.index(w) for w in job])
+        return [TensorMove(f"{kind}:{n}", src[n].global_shape, 4, src[n], dst[n])
+                for kind in KINDS for n in trainer.cm.logic.param_names]
+
+    # ------------------------------------------------------------------------------ pieces
+    def _new_trainer(self, configs: list[DistConfig], model: nn.Module, base: str | None = None,
+                     logic=None) -> Trainer:
+        self._model = model
+        options = dict(self.trainer_options)
+        options["base"] = base or self._base(configs)
+        n = configs[0].world_size  # one agent spawns every worker on this host: one node
+        options["topology"] = Topology(n, n)
+        trainer = Trainer(model, configs, logic=logic, **options)
+        trainer.on_phase = self._on_phase
+        return trainer
+
+    def _new_checkpointer(self) -> None:
+        group = dist.new_group(backend="gloo")  # DCP's planning collectives never meet the step's
+        self.checkpointer = ckpt.AsyncCheckpointer(self.checkpoint_dir, process_group=group)
+
+    def _save_checkpoint(self) -> None:
+        t = self.trainer
+        local = t.job_state()
+        state = {}
+        for kind in KINDS:
+            state.update({f"{kind}:{n}": d for n, d in t.cm.as_dtensors(
+                {n: local[f"{kind}:{n}"] for n in t.cm.logic.param_names}).items()})
+        meta = dict(step=t.step_count, base=t.base, configs=[c.spec() for c in t.configs],
+                    rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
+        self.checkpointer.save(t.step_count, state, meta)
+
+    def _load_checkpoint(self) -> ckpt.Manifest:
+        """The whole job state from the latest complete checkpoint, resharded into this Trainer's base."""
+        t = self.trainer
+        path = ckpt.latest(self.checkpoint_dir)
+        if path is None:
+            raise ElasticError(f"slices of the job state were lost with the failed worker and {self.checkpoint_dir} "
+                               "holds no complete checkpoint to restore them from")
+        shards = {f"{kind}:{n}": torch.empty_like(p) for kind in KINDS for n, p in t.cm.local_params.items()}
+        state = {}
+        for kind in KINDS:
+            state.update({f"{kind}:{n}": d for n, d in t.cm.as_dtensors(
+                {n: shards[f"{kind}:{n}"] for n in t.cm.logic.param_names}).items()})
+        manifest = ckpt.load(path, state)
+        local = {k: v.to_local() for k, v in state.items()}
+        t.load_job_state(local, manifest.step)
+        rng = base64.b64decode(manifest.meta["rng"])
+        torch.set_rng_state(torch.frombuffer(bytearray(rng), dtype=torch.uint8))
+        return manifest

@@ -1,0 +1,155 @@
+"""Elastic training on real spawned workers (gloo): a SIGKILLed worker, planned scale-out and
+scale-in with a change of tensor-parallel degree, and a redeployment.
+
+Three jobs run once for the module (the agent, `run_elastic`, runs in the pytest process):
+- "failure": 4 workers under tp4sp; worker w2 SIGKILLs itself in the middle of step 2. Its TP
+  shards have no replica, so the state comes from the step-2 checkpoint (async DCP) and the job
+  goes on with 3 workers under dp3;
+- "reference": the same job with a planned scale-in 4 -> 3 before step 2, no failure;
+- "scaling": 2 workers under tp2sp -> 4 workers under tp4sp (step 1) -> 2 workers under tp2sp
+  (step 2) -> redeployed to 2 new workers (step 3); the full job state is gathered before and after
+  every change.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from distconfig import DistConfig
+
+STEPS = 4
+BATCH = 8
+
+
+def tp_on_four(n: int) -> list[DistConfig]:
+    """tp4sp on 4 workers, pure DP on any other count (one config each: no profiling)."""
+    return [DistConfig("tp4sp", tp=4, sp=True)] if n == 4 else [DistConfig(f"dp{n}", dp=n)]
+
+
+def tp_everywhere(n: int) -> list[DistConfig]:
+    return [DistConfig(f"tp{n}sp", tp=n, sp=True)] if n in (2, 4) else []
+
+
+def _build():
+    from hotswitch.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("gpt-tiny")
+
+
+def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
+    """One elastic worker; returns (on the finished job's rank 0) the job's result and final state.
+    Around each planned change the job's rank 0 saves the full job state to `snapshot_dir`."""
+    import warnings
+
+    from hotswitch import data as D
+    from hotswitch.elastic import ElasticJob, Event
+
+    warnings.filterwarnings("ignore")
+    dataset = D.synthetic_skewed(64, 1001, 64, seed=0)
+    order = D.SampleOrder(len(dataset), BATCH, seed=0)
+
+    def batch(step):
+        if kill is not None and (membership.wid, step) == kill:  # die in the middle of this step
+            threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        ids = order.batch(step)
+        return ids, [dataset[i] for i in ids]
+
+    def on_change(when, job):
+        full = job.trainer.full_job_state()
+        if job.job_rank == 0:  # "before" in generation g, "after" in g + 1: change number g + 1
+            change = membership.generation + (1 if when == "before" else 0)
+            torch.save((job.trainer.base, full), os.path.join(snapshot_dir, f"{change}-{when}.pt"))
+
+    job = ElasticJob(membership, _build, rule, batch, trainer_options=dict(optimizer=dict(name="adamw", lr=1e-2),
+                                                                           buckets=(64,)),
+                     checkpoint_dir=checkpoint_dir, checkpoint_every=2, step_timeout_s=5, on_change=on_change)
+    result = job.run(STEPS, [Event(*e) for e in events])
+    final = job.trainer.full_job_state() if job.trainer is not None else None
+    if result is not None:
+        result.update(final=final)
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from hotswitch.membership import run_elastic
+
+    out = {}
+    for name, world, rule, events, kill in [
+        ("failure", 4, tp_on_four, [], ("w2", 2)),
+        ("reference", 4, tp_on_four, [(2, "scale", 3)], None),
+        ("scaling", 2, tp_everywhere, [(1, "scale", 4), (2, "scale", 2), (3, "redeploy")], None),
+    ]:
+        ckpt, snaps = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}-states")
+        out[name] = run_elastic(_worker, world, rule, events, kill, str(ckpt), str(snaps), min_size=2, max_size=4,
+                                log=lambda m: None)
+        out[name]["snapshots"] = {f.stem: torch.load(f) for f in snaps.glob("*.pt")}
+    return out
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def test_sigkill_mid_step_goes_on_with_three_workers_from_checkpoint(runs):
+    failure = runs["failure"]
+    assert failure["steps"] == STEPS
+    assert failure["workers"] == ["w0", "w1", "w3"] and failure["configs"] == ["dp3"]
+    (change,) = failure["reconfigurations"]
+    assert change["reason"] == "failure" and change["source"] == "tp4sp on 4" and change["destination"] == "dp3 on 3"
+    # w2's TP shards had no replica: the whole state came from the step-2 checkpoint. The killed step
+    # (index 2) was never committed, so nothing is replayed beyond it.
+    assert change["lost_tensors"] > 0 and change["restored_from"] == "checkpoint step 2"
+    assert change["step"] == 2 and change["replayed_steps"] == 0
+
+
+def test_failure_matches_a_planned_scale_in_at_the_same_step(runs):
+    failure, reference = runs["failure"], runs["reference"]
+    (change,) = reference["reconfigurations"]
+    assert change["reason"] == "scale" and change["restored_from"] == "survivors" and change["bytes_moved"] > 0
+    assert reference["configs"] == ["dp3"]
+    worst = max(_rel(failure["final"][k], reference["final"][k]) for k in reference["final"] if k.startswith("param:"))
+    assert worst < 1e-4, worst
+    worst_moments = max(_rel(failure["final"][k], reference["final"][k]) for k in reference["final"]
+                        if k.startswith("exp_avg_sq:"))
+    assert worst_moments < 1e-3, worst_moments
+    # the weights did train: a run that lost a step (or replayed one twice) would be far off
+    _, before = reference["snapshots"]["1-before"]
+    assert max(_rel(reference["final"][k], before[k]) for k in before if k.startswith("param:")) > 1e-3
+
+
+def test_samples_are_the_same_and_none_skipped_or_repeated(runs):
+    from hotswitch import data as D
+
+    failure, reference = runs["failure"], runs["reference"]
+    assert failure["samples"] == reference["samples"]
+    order = D.SampleOrder(64, BATCH, seed=0)
+    assert failure["samples"] == {step: order.batch(step) for step in range(STEPS)}
+    seen = [i for step in range(STEPS) for i in failure["samples"][step]]
+    assert len(seen) == len(set(seen)) == STEPS * BATCH  # one epoch is 64 samples: no repeats expected
+
+
+def test_scale_out_and_in_with_tp_change_are_bit_identical(runs):
+    scaling = runs["scaling"]
+    assert scaling["steps"] == STEPS
+    kinds = [(c["reason"], c["source"], c["destination"]) for c in scaling["reconfigurations"]]
+    assert kinds == [("scale", "tp2sp on 2", "tp4sp on 4"), ("scale", "tp4sp on 4", "tp2sp on 2"),
+                     ("redeploy", "tp2sp on 2", "tp2sp on 2")]
+    snaps = scaling["snapshots"]
+    assert sorted(snaps) == ["1-after", "1-before", "2-after", "2-before", "3-after", "3-before"]
+    assert [snaps[f"{g}-{w}"][0] for g in (1, 2, 3) for w in ("before", "after")] == \
+        ["tp2sp", "tp4sp", "tp4sp", "tp2sp", "tp2sp", "tp2sp"]
+    for g in (1, 2, 3):
+        (_, before), (_, after) = snaps[f"{g}-before"], snaps[f"{g}-after"]
+        assert before.keys() == after.keys() and len(before) > 30
+        for k in before:  # weights and both AdamW moments, exactly
+            assert torch.equal(before[k], after[k]), (g, k)
+        assert all(before[k].abs().sum() > 0 for k in before if k.startswith("exp_avg_sq:"))  # trained state
+    assert all(c["restored_from"] == "survivors" for c in scaling["reconfigurations"])
+    # the redeployment moved the job onto two workers spawned for it
+    assert scaling["workers"] == ["w4", "w5"]
