@@ -325,6 +325,9 @@ def add_bench(subparsers) -> None:
     q.add_argument("--plot", default="bench_switch.png", help="where to draw the chart (default bench_switch.png)")
     q.set_defaults(run=run_bench_switch)
     add_bench_train(sub)
+    from hotswitch.bench_elastic import add_bench_elastic
+
+    add_bench_elastic(sub)
     p.set_defaults(run=lambda args: p.print_help() or 2)
 
 
