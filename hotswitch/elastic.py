@@ -153,6 +153,7 @@ class ElasticJob:
         self.max_committed = 0  # the highest step count ever committed (replayed steps are below it)
         self._model: nn.Module | None = None
         self.last_report = None
+        self._checkpoint_group = None
 
     # ------------------------------------------------------------------------------------ running
     @property
@@ -216,7 +217,7 @@ class ElasticJob:
         before the optimizer."""
         if phase == "compiled":
             self.membership.barrier(f"s{step}/compiled")
-            self.membership.set_timeout(self.step_timeout)
+            self.membership.set_timeout(self.step_timeout, keep=(self._checkpoint_group,))
         elif phase == "update":
             self.membership.agree_to_commit(f"s{step}/update")
 
@@ -391,6 +392,7 @@ class ElasticJob:
 
     def _new_checkpointer(self) -> None:
         group = dist.new_group(backend="gloo")  # DCP's planning collectives never meet the step's
+        self._checkpoint_group = group
         self.checkpointer = ckpt.AsyncCheckpointer(self.checkpoint_dir, process_group=group)
 
     def _save_checkpoint(self) -> None:

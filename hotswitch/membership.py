@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 import torch.multiprocessing as mp
 
+from . import _c10d
 from .launch import patched_environ
 
 __all__ = ["ElasticError", "GenerationRecord", "Membership", "MembershipChanged", "run_elastic"]
@@ -306,8 +306,7 @@ class Membership:
     def leave_group() -> None:
         """Drop every process group of this worker. gloo cannot cancel an operation blocked on a dead
         peer (abort and shutdown leave it waiting), which is why steps run with a short timeout."""
-        if dist.is_initialized():
-            c10d._abort_process_group()  # every group; makes init_process_group possible again
+        _c10d.abort_all_groups()  # every group; makes init_process_group possible again
 
     def request(self, kind: str, size: int | None = None) -> None:
         """Ask the agent for a planned change (called by the job's rank 0 at a step boundary)."""
@@ -320,10 +319,12 @@ class Membership:
 
     # -- collectives' timeouts
     @staticmethod
-    def set_timeout(timeout: datetime.timedelta) -> None:
-        """The timeout of every operation on every process group of this worker from now on."""
-        for pg in list(c10d._world.pg_map):
-            c10d._set_pg_timeout(timeout, pg)
+    def set_timeout(timeout: datetime.timedelta, keep=()) -> None:
+        """The timeout of every later operation on every process group of this worker but those in `keep`
+        (a checkpoint's background group must not inherit a step's short timeout)."""
+        for pg in _c10d.process_groups():
+            if all(pg is not k for k in keep):
+                _c10d.set_timeout(timeout, pg)
 
     # -- agreement through the store (never blocks on a dead peer)
     def barrier(self, tag: str, poll_s: float = 0.005) -> None:
