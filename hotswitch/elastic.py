@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import base64
 import datetime
-import io
 import json
 import math
-import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,7 +38,7 @@ from distconfig import DistConfig, Topology
 
 from . import checkpoint as ckpt
 from .executor import execute_plan
-from .membership import ElasticError, GenerationRecord, Membership, MembershipChanged, LONG_TIMEOUT
+from .membership import LONG_TIMEOUT, ElasticError, GenerationRecord, Membership
 from .planner import TensorMove, plan_switch, unowned
 from .trainer import Trainer, default_base
 
