@@ -145,7 +145,6 @@ def _bench_worker(rank: int, model_name: str, repeats: int, directory: str) -> d
             new, sent, _ = execute_plan(plan, held, src, dst, rank, dtypes={k: torch.float32 for k in full})
             return new, sent
 
-        alive = [d for d in range(4) if d not in gone]
         one = Mesh([0], ("one",))
         middle = {k: Layout(tuple(full[k].shape), one, (Replicate(),)) for k in full}
 
@@ -195,7 +194,6 @@ def _bench_worker(rank: int, model_name: str, repeats: int, directory: str) -> d
                     sent_total = sent
         total = torch.tensor([sent_total], dtype=torch.float64)
         dist.all_reduce(total)
-        del alive
         out.append(dict(name=name, mib_moved=float(total.item()) / 2**20,
                         **{m: statistics.median(v) for m, v in times.items()}))
         if rank == 0:

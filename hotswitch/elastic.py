@@ -395,14 +395,18 @@ class ElasticJob:
 
     def _save_checkpoint(self) -> None:
         t = self.trainer
-        local = t.job_state()
-        state = {}
-        for kind in KINDS:
-            state.update({f"{kind}:{n}": d for n, d in t.cm.as_dtensors(
-                {n: local[f"{kind}:{n}"] for n in t.cm.logic.param_names}).items()})
+        state = self._as_dtensors(t.job_state())
         meta = dict(step=t.step_count, base=t.base, configs=[c.spec() for c in t.configs],
                     rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         self.checkpointer.save(t.step_count, state, meta)
+
+    def _as_dtensors(self, local: dict[str, torch.Tensor]) -> dict:
+        """{"kind:param": shard in the base layout} as DTensors on the base's mesh (DCP's input)."""
+        cm, out = self.trainer.cm, {}
+        for kind in KINDS:
+            out.update({f"{kind}:{n}": d for n, d in cm.as_dtensors(
+                {n: local[f"{kind}:{n}"] for n in cm.logic.param_names}).items()})
+        return out
 
     def _load_checkpoint(self) -> ckpt.Manifest:
         """The whole job state from the latest complete checkpoint, resharded into this Trainer's base."""
@@ -411,11 +415,8 @@ class ElasticJob:
         if path is None:
             raise ElasticError(f"slices of the job state were lost with the failed worker and {self.checkpoint_dir} "
                                "holds no complete checkpoint to restore them from")
-        shards = {f"{kind}:{n}": torch.empty_like(p) for kind in KINDS for n, p in t.cm.local_params.items()}
-        state = {}
-        for kind in KINDS:
-            state.update({f"{kind}:{n}": d for n, d in t.cm.as_dtensors(
-                {n: shards[f"{kind}:{n}"] for n in t.cm.logic.param_names}).items()})
+        state = self._as_dtensors({f"{kind}:{n}": torch.empty_like(p) for kind in KINDS
+                                   for n, p in t.cm.local_params.items()})
         manifest = ckpt.load(path, state)
         local = {k: v.to_local() for k, v in state.items()}
         t.load_job_state(local, manifest.step)
