@@ -15,6 +15,7 @@ none of that here.)
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -78,6 +79,18 @@ def validate_batch(global_batch, vocab_size: int | None = None) -> list[torch.Te
                              f"model's vocabulary [0, {vocab_size})")
         out.append(seq.to(torch.long))
     return out
+
+
+def batch_digest(sequences: list[torch.Tensor]) -> tuple[int, int]:
+    """A 128-bit digest of a global batch (order, lengths and token ids) as two int64s, equal on
+    every process that holds the same batch: the Trainer compares it across ranks before any
+    collective whose sizes depend on the batch."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(np.asarray([s.numel() for s in sequences], dtype=np.int64).tobytes())
+    for s in sequences:
+        h.update(s.detach().to(torch.int64).contiguous().numpy().tobytes())
+    digest = h.digest()
+    return (int.from_bytes(digest[:8], "little", signed=True), int.from_bytes(digest[8:], "little", signed=True))
 
 
 def choose_boundaries(lengths, num_buckets: int, multiple: int = 16) -> tuple[int, ...]:
@@ -182,6 +195,27 @@ def micro_batches(sequences: list[torch.Tensor], bucket: Bucket, rows_per_micro_
                 count += 1
         out.append(MicroBatch(ids, pos, labels, count, tokens, targets))
     return out
+
+
+def rows_per_micro_batch(dp: int, length: int, micro_batch_tokens: int) -> int:
+    """Rows of one micro-batch of `length`-token rows: `micro_batch_tokens` per data-parallel
+    replica, at least one row each, so every replica gets the same number of rows."""
+    return dp * max(1, micro_batch_tokens // length)
+
+
+def target_tokens(lengths) -> int:
+    """Next-token targets of a batch of sequences of these lengths: the loss's denominator."""
+    return sum(max(int(n) - 1, 0) for n in lengths)
+
+
+def weighted_micro_batches(sequences: list[torch.Tensor], bucket: Bucket, rows: int,
+                           total_targets: int) -> list[tuple[MicroBatch, float]]:
+    """The bucket's micro-batches that have targets, each with its weight in the step: its target
+    tokens / the whole batch's. Each micro-batch's loss is its own mean over its targets, so
+    `sum(weight * loss)` (and the same sum of gradients) is the batch's mean token loss whatever
+    the buckets, rows, filler rows and micro-batch counts are."""
+    return [(mb, mb.target_tokens / total_targets) for mb in micro_batches(sequences, bucket, rows)
+            if mb.target_tokens > 0]  # only one-token sequences: nothing to predict, nothing to add
 
 
 # ------------------------------------------------------------------------------------- datasets

@@ -202,6 +202,7 @@ class Trainer:
     # ------------------------------------------------------------------------------------ training
     def step(self, global_batch) -> StepReport:
         sequences = D.validate_batch(global_batch, self.vocab_size)
+        self._check_same_batch(sequences)
         lengths = [s.numel() for s in sequences]
         buckets = D.make_buckets(lengths, self.bucket_bounds(lengths)) if self.pack else self._unpacked(lengths)
         demands = [BucketDemand(b.high, len(b.rows)) for b in buckets]
@@ -216,7 +217,7 @@ class Trainer:
             chosen = self.cost.assign(demands, [c.name for c in self.configs], self._cycle_seconds)
         else:
             chosen = [self.bucket_configs[self._boundaries.index(b.high)] for b in buckets]
-        total_targets = sum(max(n - 1, 0) for n in lengths)
+        total_targets = D.target_tokens(lengths)
         if total_targets == 0:
             raise ValueError("the global batch has no next-token targets (every sequence has one token)")
 
@@ -244,11 +245,8 @@ class Trainer:
                     continue
                 t0 = time.perf_counter()
                 rows = self.rows_per_micro_batch(self._config(config), bucket.high)
-                for mb in D.micro_batches(sequences, bucket, rows):
-                    bucket_micro[k] += 1
-                    if mb.target_tokens == 0:
-                        continue  # only one-token sequences: nothing to predict, nothing to add
-                    weight = mb.target_tokens / total_targets
+                bucket_micro[k] = math.ceil(len(bucket.rows) / rows)
+                for mb, weight in D.weighted_micro_batches(sequences, bucket, rows, total_targets):
                     local = self.cm.shard_inputs(*mb.inputs)
                     loss += float(self.cm.forward_backward(*local, grad_scale=weight)) * weight
                 bucket_seconds[k] += time.perf_counter() - t0
@@ -275,6 +273,23 @@ class Trainer:
             switches=tuple(SwitchReport(s[0], s[1], int(sent[i]), times[2 + nb + i], s[4]) for i, s in enumerate(switches)),
             profile_seconds=profile_seconds, compile_seconds=compile_seconds)
 
+    def _check_same_batch(self, sequences: list[torch.Tensor]) -> None:
+        """Every rank must step on the same global batch: compare digests (one small all-gather)
+        before any collective whose sizes depend on the batch, which would otherwise abort in gloo
+        ("Received data size doesn't match") or hang. Raises on every rank, naming the first rank
+        whose batch differs from rank 0's."""
+        world = dist.get_world_size()
+        mine = torch.tensor([D.batch_digest(sequences)], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(everyone, mine)
+        differ = [r for r in range(1, world) if not torch.equal(everyone[r], everyone[0])]
+        if differ:
+            raise ValueError(
+                f"step {self.step_count + 1}: rank {differ[0]} was given a different global batch than rank 0"
+                f"{f' (ranks {differ} all differ)' if len(differ) > 1 else ''}; Trainer.step needs the same "
+                "global batch (same sequences, same order) on every rank: seed the data order identically "
+                "on all ranks (e.g. hotswitch.data.SampleOrder) or broadcast the batch from rank 0")
+
     @property
     def memory_budget_bytes(self) -> int | None:
         return self.cost.memory_budget_bytes
@@ -285,8 +300,8 @@ class Trainer:
         self.cost.memory_budget_bytes = value
 
     def rows_per_micro_batch(self, config: DistConfig, length: int) -> int:
-        """Rows of one micro-batch: `micro_batch_tokens` per data-parallel replica, at least one row each."""
-        return config.dp * max(1, self.micro_batch_tokens // length)
+        """Rows of one micro-batch of config `config` at this bucket length (`data.rows_per_micro_batch`)."""
+        return D.rows_per_micro_batch(config.dp, length, self.micro_batch_tokens)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights under the keys of the model's state_dict (a collective: every rank)."""

@@ -18,9 +18,11 @@ BUCKETS, BUCKET_CONFIGS = [32, 64, 128], ["dp4", "dp2tp2", "tp4sp"]
 LR = 1e-3
 
 
-def _model(kind):
+def _model(kind, **overrides):
     torch.manual_seed(0)  # identical weights on every rank
-    return build_model("gpt-tiny", vocab_size=VOCAB) if kind == "gpt" else build_hf_model("llama", vocab_size=VOCAB).model
+    if kind == "gpt":
+        return build_model("gpt-tiny", vocab_size=VOCAB, **overrides)
+    return build_hf_model("llama", vocab_size=VOCAB, **overrides).model
 
 
 def _batches(steps=3):
@@ -55,6 +57,12 @@ def _run_equivalence(kind, **trainer_kwargs):
     ref = _reference_steps(model, batches)
     trainer = Trainer(model, CONFIGS, dict(name="adamw", lr=LR), buckets=BUCKETS, bucket_configs=BUCKET_CONFIGS,
                       micro_batch_tokens=64, **trainer_kwargs)
+    return _steps_against(trainer, batches, ref)
+
+
+def _steps_against(trainer, batches, ref):
+    """Run `trainer` on `batches`; per step: loss, the full gradients the optimizer applies and all
+    weights against the single-device reference `ref` (relative errors)."""
     grads = {}
     apply = trainer._optimizer_step
 
@@ -84,24 +92,63 @@ def check_llama_matches_single_device():
     return _run_equivalence("llama")
 
 
+def _long_tailed_batches(steps=3, seed=7):
+    """Skewed lengths 4..250 as users have them, two sequences of 240+ per batch (rows longer than 128)."""
+    return [D.synthetic_skewed(24, VOCAB, 250, seed=seed + s, min_length=4)
+            + D.synthetic_skewed(2, VOCAB, 250, seed=100 + seed + s, min_length=240) for s in range(steps)]
+
+
 def check_budget_keeps_long_rows_off_pure_dp():
+    """Every knob automatic, as a user leaves them: the Trainer chooses the buckets from the data and
+    the micro-batches per bucket; after profiling, a budget between pure DP's peak at the shortest
+    and at the longest bucket sends the long rows to tp4sp (two configs in every step). The steps
+    still equal single-device AdamW."""
     model = _model("gpt")
+    batches = _long_tailed_batches()
+    ref = _reference_steps(model, batches)
     trainer = Trainer(model, ["name=dp4,dp=4", "name=tp4sp,tp=4,sp"], dict(name="adamw", lr=LR),
-                      buckets=[32, 256], micro_batch_tokens=256)
-    probes = {(p.config, p.length): p for p in trainer.profile([32, 256])}
-    dp_short, dp_long = probes[("dp4", 32)].peak_bytes, probes[("dp4", 256)].peak_bytes
+                      micro_batch_tokens=256)
+    bounds = trainer.choose_buckets([len(s) for b in batches for s in b])
+    probes = {(p.config, p.length): p for p in trainer.profile(bounds)}
+    dp_short, dp_long = probes[("dp4", bounds[0])].peak_bytes, probes[("dp4", bounds[-1])].peak_bytes
     budget = (dp_short + dp_long) // 2  # as many tokens per row group, but 8x longer rows: T^2 attention
     trainer.memory_budget_bytes = budget
-    batch = D.synthetic_skewed(24, VOCAB, 250, seed=5, min_length=4) + D.synthetic_skewed(2, VOCAB, 250, seed=6, min_length=240)
-    report = trainer.step(batch)
+    steps = _steps_against(trainer, batches, ref)
+    report = steps[0]["report"]
     table = {(p["config"], p["length"]): p for p in trainer.cost.table()}
     trainer.memory_budget_bytes = 1  # nothing fits: a clear error, nothing run
     try:
-        trainer.step(batch)
+        trainer.step(batches[0])
         error = None
     except NoConfigFits as e:
         error = str(e)
-    return dict(probes=probes, budget=budget, report=report, error=error, table=table)
+    return dict(probes=probes, bounds=bounds, budget=budget, report=report, error=error, table=table, steps=steps)
+
+
+def check_llama_with_automatic_buckets_matches_single_device():
+    """HF Llama, nothing fixed by hand: buckets from the first batch (extended when a later batch is
+    longer), several micro-batches per bucket with filler rows, configs chosen by measured cost."""
+    model = _model("llama", max_position_embeddings=512)
+    batches = _long_tailed_batches(seed=11)
+    ref = _reference_steps(model, batches)
+    trainer = Trainer(model, ["name=dp4,dp=4", "name=dp2tp2,dp=2,tp=2"], dict(name="adamw", lr=LR),
+                      micro_batch_tokens=96)
+    return _steps_against(trainer, batches, ref)
+
+
+def check_different_batches_are_refused():
+    """A rank given another global batch: every rank raises, naming it, before any collective."""
+    import torch.distributed as dist
+
+    trainer = Trainer(_model("gpt"), ["name=dp4,dp=4"], dict(name="adamw", lr=LR), buckets=[64])
+    batch = _batches(1)[0]
+    if dist.get_rank() == 2:
+        batch = batch[1:] + batch[:1]  # the same sequences in another order: another batch
+    try:
+        trainer.step(batch)
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def check_bf16_compute_keeps_fp32_masters():
@@ -124,11 +171,12 @@ def check_bf16_compute_keeps_fp32_masters():
 
 
 results = dist_fixture(4, [check_gpt_zero1_matches_single_device, check_llama_matches_single_device,
-                           check_budget_keeps_long_rows_off_pure_dp, check_bf16_compute_keeps_fp32_masters],
+                           check_budget_keeps_long_rows_off_pure_dp, check_llama_with_automatic_buckets_matches_single_device,
+                           check_different_batches_are_refused, check_bf16_compute_keeps_fp32_masters],
                        env={"HOTSWITCH_PACK_BACKEND": "torch"})
 
 
-def _assert_equivalent(steps, worst_tensor):
+def _assert_equivalent(steps, worst_tensor, configs=BUCKET_CONFIGS):
     for i, s in enumerate(steps):
         assert abs(s["loss"] - s["ref_loss"]) <= 1e-5 * abs(s["ref_loss"]), (i, s["loss"], s["ref_loss"])
         assert s["grads"] <= 1e-5, (i, s["grads"])  # every full gradient the optimizer applies
@@ -136,7 +184,7 @@ def _assert_equivalent(steps, worst_tensor):
         assert s["worst_tensor"] <= worst_tensor, (i, s["worst_tensor"])
         report = s["report"]
         assert sum(b.sequences for b in report.buckets) == s["sequences"]  # nothing dropped
-        assert {b.config for b in report.buckets} <= set(BUCKET_CONFIGS)
+        assert {b.config for b in report.buckets} <= set(configs)
         assert report.switches and report.switches[-1].with_grads and not report.switches[0].with_grads
         assert report.switches[0].source == report.switches[-1].destination  # a cycle from the base
 
@@ -158,14 +206,36 @@ def test_hf_llama_equals_single_device_adamw(results):
 
 def test_memory_budget_moves_long_rows_to_tensor_parallel(results):
     out = results["check_budget_keeps_long_rows_off_pure_dp"].raise_if_failed()[0]
-    probes, budget, report = out["probes"], out["budget"], out["report"]
-    assert probes[("dp4", 32)].peak_bytes < budget < probes[("dp4", 256)].peak_bytes
-    assert probes[("tp4sp", 256)].peak_bytes < budget  # TP+SP shards the activations four ways
-    long = [b for b in report.buckets if b.lengths[1] == 256]
+    probes, budget, report, bounds = out["probes"], out["budget"], out["report"], out["bounds"]
+    short, longest = bounds[0], bounds[-1]
+    assert len(bounds) >= 2 and longest > 128  # the Trainer's own buckets, rows longer than 128
+    assert probes[("dp4", short)].peak_bytes < budget < probes[("dp4", longest)].peak_bytes
+    assert probes[("tp4sp", longest)].peak_bytes < budget  # TP+SP shards the activations four ways
+    long = [b for b in report.buckets if b.lengths[1] == longest]
     assert long and long[0].config == "tp4sp"
-    assert out["table"][("dp4", 256)]["fits"] is False and out["table"][("tp4sp", 256)]["fits"] is True
+    assert out["table"][("dp4", longest)]["fits"] is False and out["table"][("tp4sp", longest)]["fits"] is True
     assert math.isfinite(report.loss) and report.tokens > 0
     assert "no config fits rows of" in out["error"] and "raise memory_budget_bytes" in out["error"]
+
+
+def test_budget_after_profiling_equals_single_device_adamw(results):
+    """The path a user takes (automatic buckets, profile, then a budget): two configs in every step."""
+    steps = results["check_budget_keeps_long_rows_off_pure_dp"].raise_if_failed()[0]["steps"]
+    _assert_equivalent(steps, worst_tensor=1e-5, configs={"dp4", "tp4sp"})
+    for s in steps:
+        assert {b.config for b in s["report"].buckets} == {"dp4", "tp4sp"}
+
+
+def test_hf_llama_with_automatic_buckets_equals_single_device_adamw(results):
+    steps = results["check_llama_with_automatic_buckets_matches_single_device"].raise_if_failed()[0]
+    _assert_equivalent(steps, worst_tensor=3e-5, configs={"dp4", "dp2tp2"})  # per tensor: see the test above
+    assert max(b.lengths[1] for s in steps for b in s["report"].buckets) > 128
+    assert any(b.micro_batches > 1 for s in steps for b in s["report"].buckets)  # several per bucket
+
+
+def test_different_batches_on_ranks_are_named(results):
+    errors = results["check_different_batches_are_refused"].raise_if_failed()
+    assert all(e is not None and "rank 2 was given a different global batch than rank 0" in e for e in errors), errors
 
 
 def test_bad_arguments_are_named():
