@@ -26,8 +26,9 @@ def measure(rank: int, model_name: str, config_names: tuple[str, ...], batch: in
     import torch.distributed as dist
 
     import hotswitch as hs
-    import hotswitch.api as api
-    from hotswitch.cli import count_collectives, synthetic_batch
+    from hotswitch.cli.demo import synthetic_batch
+    from hotswitch.compiler.lower import count_collectives
+    from hotswitch.distconfig import DistConfig
     from hotswitch.models import build_model
 
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
@@ -35,29 +36,15 @@ def measure(rank: int, model_name: str, config_names: tuple[str, ...], batch: in
     torch.manual_seed(0)
     model = build_model(model_name)
     ids, labels = synthetic_batch(model.cfg.vocab_size, batch, seq, seed=1)
-    configs = [parse_config(n) for n in config_names]
+    configs = [DistConfig.parse(n) for n in config_names]
     n_params = sum(p.numel() for p in model.parameters())
-
-    traced = {}
-    trace = api.trace  # time the trace on its own: hs.compile calls hotswitch.api.trace once
-
-    def timed_trace(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return trace(*args, **kwargs)
-        finally:
-            traced["seconds"] = time.perf_counter() - t
 
     say(f"tracing {model_name} ({n_params / 1e6:.1f}M parameters) and compiling {', '.join(config_names)} "
         f"on {dist.get_world_size()} ranks ...")
-    api.trace = timed_trace
-    try:
-        t = time.perf_counter()
-        cm = hs.compile(model, (ids, labels), configs=configs)
-        total = time.perf_counter() - t
-    finally:
-        api.trace = trace
-    mine = {"trace": traced.get("seconds", float("nan")), "total": total,
+    t = time.perf_counter()
+    cm = hs.compile(model, (ids, labels), configs=configs)
+    total = time.perf_counter() - t
+    mine = {"trace": cm.trace_seconds, "total": total,
             "lower": {c.name: cm.compile_seconds(c.name) for c in configs}}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -73,32 +60,33 @@ def measure(rank: int, model_name: str, config_names: tuple[str, ...], batch: in
             "nodes": len(gm.graph.nodes),
             "collectives": {phase: dict(count_collectives(gm, phase)) for phase in ("forward", "backward", "reduce")},
         })
-    return {"model": model_name, "parameters": n_params, "batch": batch, "seq": seq, "world_size": dist.get_world_size(),
-            "trace_s": max(r["trace"] for r in everyone), "compile_total_s": max(r["total"] for r in everyone),
-            "configs": rows, "torch": torch.__version__, "cpus": os.cpu_count(), "python": platform.python_version()}
-
-
-def parse_config(name: str):
-    """'dp2tp2' -> DistConfig('dp2tp2', dp=2, tp=2); 'tp2pp2sp' -> tp=2, pp=2, sp=True."""
-    import re
-
-    import hotswitch as hs
-
-    m = re.fullmatch(r"(?:dp(\d+))?(?:tp(\d+))?(?:pp(\d+))?(sp)?", name)
-    if not name or not m:
-        raise ValueError(f"config {name!r} is not of the form dp<N>tp<M>pp<K>[sp], e.g. dp4, dp2tp2, tp2pp2")
-    return hs.DistConfig(name, dp=int(m[1] or 1), tp=int(m[2] or 1), pp=int(m[3] or 1), sp=bool(m[4]))
+    return {
+        "model": model_name,
+        "parameters": n_params,
+        "batch": batch,
+        "seq": seq,
+        "world_size": dist.get_world_size(),
+        "trace_s": max(r["trace"] for r in everyone),
+        "compile_total_s": max(r["total"] for r in everyone),
+        "configs": rows,
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+    }
 
 
 def render(result: dict) -> None:
-    from hotswitch.cli import format_counts, render_table
+    from hotswitch.cli.common import format_counts, render_table
 
     total = lambda kinds: sum(kinds.values())  # noqa: E731
     rows = [[r["config"], f"{r['lower_s']:.2f}", str(r["nodes"]), str(sum(total(k) for k in r["collectives"].values())),
              format_counts(r["collectives"]["forward"]), format_counts(r["collectives"]["backward"]),
              format_counts(r["collectives"]["reduce"])] for r in result["configs"]]
-    print(f"compile time: {result['model']} ({result['parameters'] / 1e6:.1f}M parameters), batch {result['batch']} x seq "
-          f"{result['seq']}, {result['world_size']} gloo ranks on {result['cpus']} CPUs, torch {result['torch']}")
+    print(
+        f"compile time: {result['model']} ({result['parameters'] / 1e6:.1f}M parameters), "
+        f"batch {result['batch']} x seq {result['seq']}, {result['world_size']} gloo ranks on {result['cpus']} CPUs, "
+        f"torch {result['torch']}"
+    )
     render_table("lowering: slowest rank; nodes and collectives: rank 0's ExecGraph",
                  ["config", "lowering s", "nodes", "collectives", "fwd", "bwd", "grad reduce"], rows)
     lowering = sum(r["lower_s"] for r in result["configs"])
@@ -115,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
-    from hotswitch.launch import launch
+    from hotswitch.distributed.launch import launch
 
     t = time.perf_counter()
     result = launch(measure, args.world_size, args.model, tuple(args.configs.split(",")), args.batch, args.seq)

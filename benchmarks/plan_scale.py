@@ -24,10 +24,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from distconfig import DistConfig  # noqa: E402
-from hotswitch.cluster import switch_moves  # noqa: E402
-from hotswitch.planner import ALGORITHMS  # noqa: E402
-from hotswitch.simulate import compare_algorithms, gpu_cluster, report  # noqa: E402
+from hotswitch.distconfig import DistConfig  # noqa: E402
+from hotswitch.switch.cluster import switch_moves  # noqa: E402
+from hotswitch.switch.planner import ALGORITHMS  # noqa: E402
+from hotswitch.switch.simulate import compare_algorithms, gpu_cluster, report  # noqa: E402
 
 DEVICES = 1024
 PAIRS = [  # (model, from, to) at 1024 GPUs

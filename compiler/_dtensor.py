@@ -6,8 +6,11 @@ upstream change breaks one file. Pinned to torch 2.13.
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from collections.abc import Sequence
+import copy
+import functools
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -15,47 +18,55 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _sharding_prop as _sp
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, OutputSharding
+from torch.distributed.tensor._ops import utils as _op_utils
 from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 __all__ = [
     "DTensorSpec", "DeviceMesh", "OpSchema", "OutputSharding", "Partial", "Placement", "Replicate",
-    "Shard", "StridedShard", "make_spec", "propagate", "redistribute", "local_shape", "has_rule",
+    "Shard", "StridedShard", "make_spec", "propagate", "propagation", "redistribute", "local_shape", "has_rule",
+    "torch_functions", "from_local",
 ]
 
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402
 
 _propagator = DTensor._op_dispatcher.sharding_propagator
 
-# Strategy expansion prices every candidate input placement with `redistribute_cost`; for
-# _StridedShard specs that runs a graph search per call (~40 ms), and DTensor's own cache keys on
-# whole specs, so it almost never hits across the nodes of one graph. The price depends only on the
-# mesh, both placements (with shard orders), the global shape and the dtype: memoize on those.
-from torch.distributed.tensor._ops import utils as _op_utils  # noqa: E402
 
-_original_cost = _op_utils.redistribute_cost
-_cost_memo: dict[tuple, float] = {}
-
-
-def _memoized_redistribute_cost(current: DTensorSpec, target: DTensorSpec) -> float:
-    shapes = tuple(None if s.tensor_meta is None else (tuple(s.tensor_meta.shape), s.tensor_meta.dtype)
-                   for s in (current, target))
-    key = (current.mesh, current.placements, target.placements, getattr(current, "shard_order", None),
-           getattr(target, "shard_order", None), shapes)
-    cost = _cost_memo.get(key)
-    if cost is None:
-        if len(_cost_memo) > 200_000:
-            _cost_memo.clear()
-        cost = _cost_memo[key] = _original_cost(current, target)
-    return cost
-
-
-_op_utils.redistribute_cost = _memoized_redistribute_cost
-_original_select = _sp._select_min_cost_strategy
-# Indices (into OpSchema.args_spec) of inputs whose placement must not change: parameters keep the
-# layout the config gave them (Megatron's rule), so the strategy search may not redistribute them.
+# ------------------------------------------------------------------ hotswitch's policy, scoped
+# Two changes to DTensor's strategy search, active only inside `propagation()` and undone on exit
+# (as DTensor's own `use_min_cost_redistribution_plan` does), so the user's DTensor / FSDP2 code and
+# DCP resharding never run under them:
+# - selection: never shard one tensor dim over two mesh axes when another strategy exists, and
+#   keep parameters (the `pinned` inputs of the op being propagated) in the layout their config gave
+#   them (Megatron's rule);
+# - pricing: strategy expansion prices every candidate input placement with `redistribute_cost`;
+#   for _StridedShard specs that runs a graph search per call (~40 ms), and DTensor's own cache keys
+#   on whole specs, so it almost never hits across the nodes of one graph. The price depends only on
+#   the mesh's shape and devices, both placements (with shard orders), the global shape and dtype:
+#   memoized on those values, in the caller's memo.
 _pinned: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("hotswitch_pinned", default=frozenset())
+_memo: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hotswitch_memo", default=None)
+
+
+def _mesh_key(mesh) -> tuple:
+    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names)
+
+
+def _spec_key(spec) -> tuple:
+    meta = spec.tensor_meta
+    return (spec.placements, getattr(spec, "shard_order", None),
+            None if meta is None else (tuple(meta.shape), meta.dtype))
+
+
+def _memoized_cost(original, current: DTensorSpec, target: DTensorSpec) -> float:
+    costs = _memo.get()["cost"]
+    key = (_mesh_key(current.mesh), _spec_key(current), _spec_key(target))
+    cost = costs.get(key)
+    if cost is None:
+        cost = costs[key] = original(current, target)
+    return cost
 
 
 def _nests_one_dim(spec) -> bool:
@@ -67,7 +78,7 @@ def _nests_one_dim(spec) -> bool:
     return False
 
 
-def _select_keeping_pinned(strategy: OpStrategy, op_schema: OpSchema | None = None):
+def _select_keeping_pinned(original, strategy: OpStrategy, op_schema: OpSchema | None = None):
     if len(strategy.strategies) > 1:
         # Never shard one tensor dim over two mesh axes when another choice exists: Megatron layouts
         # do not, and DTensor's local shapes for flattening nested uneven shards are inconsistent.
@@ -84,15 +95,49 @@ def _select_keeping_pinned(strategy: OpStrategy, op_schema: OpSchema | None = No
         ]
         if keep:
             strategy = OpStrategy(keep)
-    return _original_select(strategy, op_schema)
+    return original(strategy, op_schema)
 
 
-_sp._select_min_cost_strategy = _select_keeping_pinned
+@contextlib.contextmanager
+def propagation(memo: dict | None = None) -> Iterator[dict]:
+    """hotswitch's strategy selection and cost memo, only inside this block; torch's own functions
+    are back on exit (also on error). `memo` (a dict the caller owns, e.g. one per compiled model)
+    caches propagation results and prices across the graphs lowered with it; it holds values only
+    and dies with its owner. Nested blocks reuse the outer one's memo."""
+    if _memo.get() is not None:
+        yield _memo.get()
+        return
+    memo = {} if memo is None else memo
+    memo.setdefault("cost", {})
+    memo.setdefault("op", {})
+    original_cost, original_select = _op_utils.redistribute_cost, _sp._select_min_cost_strategy
+    _op_utils.redistribute_cost = functools.partial(_memoized_cost, original_cost)
+    _sp._select_min_cost_strategy = functools.partial(_select_keeping_pinned, original_select)
+    token = _memo.set(memo)
+    try:
+        yield memo
+    finally:
+        _memo.reset(token)
+        _op_utils.redistribute_cost, _sp._select_min_cost_strategy = original_cost, original_select
+
+
+def torch_functions() -> tuple:
+    """The torch functions `propagation()` replaces while it is active, (strategy selection, cost
+    function): tests check they are torch's own outside it."""
+    return _sp._select_min_cost_strategy, _op_utils.redistribute_cost
 
 
 def make_spec(mesh: DeviceMesh, placements: Sequence[Placement], meta: torch.Tensor) -> DTensorSpec:
     """A spec for a global tensor described by `meta` (a fake or real tensor of the global shape)."""
     return DTensorSpec(mesh, tuple(placements), TensorMeta(meta.shape, meta.stride(), meta.dtype))
+
+
+def from_local(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape) -> DTensor:
+    """A DTensor of global `shape` (contiguous) from this rank's shard, without communication: the
+    one place hotswitch wraps shards (full tensors, DCP states, benchmarks' baselines)."""
+    shape = tuple(shape)
+    return DTensor.from_local(local, mesh, tuple(placements), run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def has_rule(op) -> bool:
@@ -103,15 +148,27 @@ def has_rule(op) -> bool:
 
 
 def propagate(op, args_schema: tuple, kwargs_schema: dict, pinned: frozenset[int] = frozenset()) -> OutputSharding:
-    """DTensor's sharding propagation for one op on specs; `pinned` inputs keep their placements."""
+    """DTensor's sharding propagation for one op on specs, under `propagation()`'s policy; `pinned`
+    inputs keep their placements. Results are cached in the active memo, never in DTensor's own
+    cache (which the user's DTensor code reads)."""
+    memo = _memo.get()
+    assert memo is not None, "dt.propagate runs inside `with dt.propagation(): ...`"
     schema = OpSchema(op, args_schema, kwargs_schema, schema_info=_propagator.op_to_schema_info.get(op))
-    if not pinned:
-        return _propagator.propagate_op_sharding(schema)
+    key = (schema, pinned)
+    try:
+        cached = memo["op"].get(key)
+    except TypeError:  # an unhashable argument: no caching for this op
+        key, cached = None, None
+    if cached is not None:
+        return copy.copy(cached)
     token = _pinned.set(pinned)
     try:
-        return _propagator.propagate_op_sharding_non_cached(schema)
+        out = _propagator.propagate_op_sharding_non_cached(schema)
     finally:
         _pinned.reset(token)
+    if key is not None:
+        memo["op"][key] = copy.copy(out)
+    return out
 
 
 def redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:

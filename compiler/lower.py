@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import operator
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.utils import _pytree as pytree
 
 from . import _dtensor as dt
 from ._dtensor import OpSchema
+from ._torch import FakeTensorMode, OpOverload, pytree
 from .tp_rules import VIEW_OPS
 
 aten = torch.ops.aten
@@ -53,7 +53,9 @@ def source_line(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
     # the user's frame is the last "File ..." line not inside torch
-    frames = [(lines[i], lines[i + 1] if i + 1 < len(lines) else "") for i, ln in enumerate(lines) if ln.startswith("File ")]
+    frames = [
+        (lines[i], lines[i + 1] if i + 1 < len(lines) else "") for i, ln in enumerate(lines) if ln.startswith("File ")
+    ]
     frames = [f for f in frames if "/torch/" not in f[0]] or frames
     return f"{frames[-1][0]}: {frames[-1][1]}" if frames else "(no source line recorded)"
 
@@ -107,8 +109,15 @@ def _seq_dim(node: fx.Node, seq_symbol) -> int | None:
 
 def propagate_graph(graph: fx.Graph, mesh: dt.DeviceMesh, placeholder_specs: list, *, sp_axis: int | None = None,
                     seq_symbol=None, pinned_nodes: set[fx.Node] = frozenset(), strict: bool = True,
-                    keep_partial: set[fx.Node] | None = None) -> GraphSharding:
-    """Decide placements for every node. `keep_partial=None` runs the policy's two passes."""
+                    keep_partial: set[fx.Node] | None = None, memo: dict | None = None) -> GraphSharding:
+    """Decide placements for every node. `keep_partial=None` runs the policy's two passes. DTensor's
+    strategies run under hotswitch's policy only during this call (`_dtensor.propagation(memo)`)."""
+    with dt.propagation(memo):
+        return _propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, seq_symbol=seq_symbol,
+                                pinned_nodes=pinned_nodes, strict=strict, keep_partial=keep_partial)
+
+
+def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, seq_symbol, pinned_nodes, strict, keep_partial):
     if keep_partial is None:
         first = propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, seq_symbol=seq_symbol,
                                 pinned_nodes=pinned_nodes, strict=strict, keep_partial=set())
@@ -159,15 +168,23 @@ def _partials_to_keep(graph: fx.Graph, partial: set[fx.Node]) -> set[fx.Node]:
             for u in n.users:
                 if u.op == "output" or u.target in VIEW_OPS or u.target in _LIKE_OPS or u.target in _SYM_OPS:
                     continue  # a view of a partial decides for itself; *_like and sizes read no values
-                if u.target in _ADD_OPS and all(stays_partial(a) for a in u.args[:2] if a is not n and isinstance(a, fx.Node)) \
-                        and sum(isinstance(a, fx.Node) for a in u.args[:2]) == 2 and keep(u):
+                if (
+                    u.target in _ADD_OPS
+                    and all(stays_partial(a) for a in u.args[:2] if a is not n and isinstance(a, fx.Node))
+                    and sum(isinstance(a, fx.Node) for a in u.args[:2]) == 2
+                    and keep(u)
+                ):
                     continue
                 ok = False
                 break
             memo[n] = ok
         return memo[n]
 
-    return {n for n in graph.nodes if n.op == "call_function" and (_view_source(n) in partial or n.target in _ADD_OPS) and keep(n)}
+    return {
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and (_view_source(n) in partial or n.target in _ADD_OPS) and keep(n)
+    }
 
 
 def _from_param_op(node: fx.Node, pinned_nodes) -> bool:
@@ -197,12 +214,16 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
     if target is operator.getitem and isinstance(specs.get(node.args[0]), (tuple, list)):
         return Decision("getitem")
     concrete = lambda a: values.get(a, a) if isinstance(a, fx.Node) and not _is_tensor_node(a) else a  # noqa: E731
-    if target in _SYM_OPS or not isinstance(target, torch._ops.OpOverload):
+    if target in _SYM_OPS or not isinstance(target, OpOverload):
         args = pytree.tree_map(lambda a: values[a] if isinstance(a, fx.Node) and a in values else a, node.args)
         if target in _SYM_OPS:
             meta = specs[node.args[0]].tensor_meta
-            value = {aten.sym_size.int: lambda: meta.shape[args[1]], aten.sym_numel.default: lambda: meta.shape.numel(),
-                     aten.sym_stride.int: lambda: meta.stride[args[1]], aten.sym_storage_offset.default: lambda: 0}[target]()
+            value = {
+                aten.sym_size.int: lambda: meta.shape[args[1]],
+                aten.sym_numel.default: lambda: meta.shape.numel(),
+                aten.sym_stride.int: lambda: meta.stride[args[1]],
+                aten.sym_storage_offset.default: lambda: 0,
+            }[target]()
         else:
             value = target(*args, **node.kwargs)
         return Decision("const", value=value)
@@ -239,10 +260,16 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
                 return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
                                 want_specs=want, args=args, kwargs=kwargs, out_spec=out.output_spec)
             error = RuntimeError("no output sharding")
-    problem = f"no sharding rule for {target}" if error is None else f"{target} could not be sharded ({type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''})"
-    message = (f"{problem} at graph node {node.name!r}, from {source_line(node)}; input placements: "
-               f"{[tuple(specs[n].placements) for n in tensor_nodes]}. Fix: rewrite that line with ops DTensor can shard, "
-               "or compile with strict=False to run it replicated (its inputs are gathered) with a warning.")
+    if error is None:
+        problem = f"no sharding rule for {target}"
+    else:
+        first_line = str(error).splitlines()[0][:200] if str(error) else ""
+        problem = f"{target} could not be sharded ({type(error).__name__}: {first_line})"
+    message = (
+        f"{problem} at graph node {node.name!r}, from {source_line(node)}; input placements: "
+        f"{[tuple(specs[n].placements) for n in tensor_nodes]}. Fix: rewrite that line with ops DTensor can shard, "
+        "or compile with strict=False to run it replicated (its inputs are gathered) with a warning."
+    )
     if strict:
         raise ShardingError(message)
     warnings.warn("hotswitch: " + message, stacklevel=2)
@@ -259,14 +286,21 @@ def _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs):
     sibling input is sharded, first try that input placed like the sibling: a fresh tensor is
     chunked locally for free, whereas DTensor, following the replicated one, would all-gather."""
     out = dt.propagate(target, args, kwargs, pinned)
-    fresh = [i for i, n in enumerate(tensor_nodes) if _is_fresh(n) and all(p.is_replicate() for p in specs[n].placements)]
+    fresh = [
+        i for i, n in enumerate(tensor_nodes) if _is_fresh(n) and all(p.is_replicate() for p in specs[n].placements)
+    ]
     needs = out.redistribute_schema is not None and any(
         i not in fresh and w.placements != specs[n].placements
         for i, (n, w) in enumerate(zip(tensor_nodes, out.redistribute_schema.args_spec)))
     if not fresh or not needs:
         return out
-    donors = [specs[n] for i, n in enumerate(tensor_nodes) if i not in fresh and not any(p.is_partial() for p in specs[n].placements)
-              and not all(p.is_replicate() for p in specs[n].placements)]
+    donors = [
+        specs[n]
+        for i, n in enumerate(tensor_nodes)
+        if i not in fresh
+        and not any(p.is_partial() for p in specs[n].placements)
+        and not all(p.is_replicate() for p in specs[n].placements)
+    ]
     for donor in donors:
         fresh_nodes = {tensor_nodes[i] for i in fresh}
         swap = lambda a: dt.DTensorSpec(a.mesh, donor.placements, a.tensor_meta) if (  # noqa: E731
@@ -335,8 +369,14 @@ class StageOutputPlan:
     sent: tuple[tuple[int, Any], ...] = ()  # (output index, DTensorSpec it must end in)
 
 
-def lower(graph: fx.Graph, sharding: GraphSharding, local_inputs: list[torch.Tensor], out_plan: OutputPlan | StageOutputPlan,
-          mesh: dt.DeviceMesh, bucket_bytes: int = BUCKET_BYTES) -> fx.GraphModule:
+def lower(
+    graph: fx.Graph,
+    sharding: GraphSharding,
+    local_inputs: list[torch.Tensor],
+    out_plan: OutputPlan | StageOutputPlan,
+    mesh: dt.DeviceMesh,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> fx.GraphModule:
     """Trace this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
 
     With a StageOutputPlan: (outputs of the stage graph...) out, sent values in their neighbours'
@@ -429,6 +469,15 @@ def collectives(gm: fx.GraphModule, phase: str | None = None) -> list[fx.Node]:
             and (phase is None or n.meta.get("custom", {}).get("phase") == phase)]
 
 
+def count_collectives(gm: fx.GraphModule, phase: str | None = None) -> Counter:
+    """Collective nodes of an ExecGraph by kind ('all_reduce', 'all_gather', 'reduce_scatter', ...)."""
+    kinds = Counter()
+    for node in collectives(gm, phase):
+        op = str(node.target).split(".")[1]  # "_c10d_functional.all_reduce.default" -> "all_reduce"
+        kinds[op.removesuffix("_into_tensor").removesuffix("_tensor")] += 1
+    return kinds
+
+
 def _partial_dims(spec) -> tuple[int, ...]:
     return tuple(i for i, p in enumerate(spec.placements) if p.is_partial())
 
@@ -458,8 +507,10 @@ def _finish(leaves, specs, plan: OutputPlan, mesh, bucket_bytes):
                 flat = funcol.all_reduce(flat, "sum", (mesh, d))
             for i, piece in zip(bucket, flat.split([leaves[i].numel() for i in bucket])):
                 reduced[i] = piece.view(leaves[i].shape)
-    final_specs = [dt.DTensorSpec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements), s.tensor_meta)
-                   for s in specs]
+    final_specs = [
+        dt.DTensorSpec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements), s.tensor_meta)
+        for s in specs
+    ]
     losses, grads = reduced[: plan.num_losses], reduced[plan.num_losses:]
     for k, (g, have, want) in enumerate(zip(grads, final_specs[plan.num_losses:], plan.param_specs)):
         if have.placements != want.placements:

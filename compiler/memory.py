@@ -15,6 +15,8 @@ import operator
 import torch
 import torch.fx as fx
 
+from ._torch import OpOverload, op_schema
+
 
 def estimate_peak_bytes(gm: fx.GraphModule) -> int:
     """Peak bytes of intermediate tensors held at once while `gm` runs (inputs excluded)."""
@@ -52,9 +54,9 @@ def _aliased_input(n: fx.Node) -> fx.Node | None:
         return None
     if n.target is operator.getitem:  # one output of a multi-output op: owned by that op's node
         return n.args[0]
-    if not isinstance(n.target, torch._ops.OpOverload):
+    if not isinstance(n.target, OpOverload):
         return None
-    schema = n.target._schema
+    schema = op_schema(n.target)
     if not schema.returns or schema.returns[0].alias_info is None:
         return None
     alias_set = schema.returns[0].alias_info.before_set

@@ -7,7 +7,7 @@ module-path component that is a list index names a node's block). Parameter-depe
 every block go to the first stage if they come before the first block (embeddings) and to the last
 stage otherwise (final norm, LM head, loss). A topological cut with an arbitrary cost would also
 work, but block boundaries are where the live set is smallest, and they are what Megatron, torchtitan
-and the pure planner (`hotswitch.cluster.split_stages`) cut at.
+and the cluster model (`hotswitch.switch.cluster.split_stages`) cut at.
 
 **Balance.** Each block costs its share of the forward FLOPs (at the example shapes, from
 `torch.utils.flop_counter`'s formulas) plus its share of the parameters, equally weighted: FLOPs set a
@@ -45,14 +45,22 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import optimization_hint
-from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 
-from .trace import (LogicGraph, _cse, _drop_identity_slices, _fold_static_sizes, _no_duck_sizing,
-                    _normalize_reduce_dims, decomposition_table)
+from hotswitch.distconfig import balanced_split
+
+from ._torch import OpOverload, detect_fake_mode, is_mutable, pytree
+from .trace import (
+    LogicGraph,
+    _cse,
+    _drop_identity_slices,
+    _fold_static_sizes,
+    _no_duck_sizing,
+    _normalize_reduce_dims,
+    decomposition_table,
+)
 
 aten = torch.ops.aten
 
@@ -106,48 +114,17 @@ def block_of(node: fx.Node) -> str | None:
     return m.group(1) if m else None
 
 
-def balanced_split(costs: list[float], parts: int) -> tuple[tuple[int, int], ...]:
-    """Cut `costs` into `parts` contiguous non-empty runs: ((start, stop), ...). The largest run's
-    sum is minimal; among those splits, the sum of squared run sums is least (the most even)."""
-    n = len(costs)
-    assert 1 <= parts <= n, (parts, n)
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    span = lambda i, j: prefix[j] - prefix[i]  # noqa: E731
-    inf = float("inf")
-    # best[k][j]: the least bottleneck of cutting costs[:j] into k runs
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for j in range(k, n + 1):
-            best[k][j] = min(max(best[k - 1][i], span(i, j)) for i in range(k - 1, j))
-    limit = best[parts][n] * (1 + 1e-9) + 1e-12
-    score = [[inf] * (n + 1) for _ in range(parts + 1)]
-    start = [[0] * (n + 1) for _ in range(parts + 1)]
-    score[0][0] = 0.0
-    for k in range(1, parts + 1):
-        for j in range(k, n + 1):
-            for i in range(k - 1, j):
-                if span(i, j) <= limit and score[k - 1][i] + span(i, j) ** 2 < score[k][j]:
-                    score[k][j], start[k][j] = score[k - 1][i] + span(i, j) ** 2, i
-    bounds, stop = [], n
-    for k in range(parts, 0, -1):
-        bounds.append((start[k][stop], stop))
-        stop = start[k][stop]
-    assert stop == 0
-    return tuple(reversed(bounds))
-
-
 def _flops(node: fx.Node) -> int:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return 0
     fn = flop_registry.get(node.target.overloadpacket)
     if fn is None:
         return 0
     meta = lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a  # noqa: E731
     try:
-        value = fn(*pytree.tree_map(meta, node.args), **pytree.tree_map(meta, dict(node.kwargs)), out_val=node.meta.get("val"))
+        value = fn(
+            *pytree.tree_map(meta, node.args), **pytree.tree_map(meta, dict(node.kwargs)), out_val=node.meta.get("val")
+        )
         return int(optimization_hint(value)) if isinstance(value, torch.SymInt) else int(value)
     except Exception:  # noqa: BLE001 - a cost estimate; an op whose formula fails counts nothing
         return 0
@@ -174,7 +151,11 @@ class _Partition:
                         self.symbols.setdefault(s.node.expr, (ph, d))
         self.dep: set[fx.Node] = set(self.params)
         for n in self.nodes:
-            if n.op == "call_function" and not self._size_from_inputs(n) and any(a in self.dep for a in n.all_input_nodes):
+            if (
+                n.op == "call_function"
+                and not self._size_from_inputs(n)
+                and any(a in self.dep for a in n.all_input_nodes)
+            ):
                 self.dep.add(n)
 
     def _size_from_inputs(self, node: fx.Node) -> bool:
@@ -353,8 +334,12 @@ def stage_joint(logic: LogicGraph, stage: Stage) -> fx.GraphModule:
     assert fake_mode is not None, "the forward graph carries no fake tensors"
     n_p, n_b, n_i = stage.num_params, len(logic.buffer_names), logic.num_inputs
     with fake_mode:
-        params = [torch.empty(logic.param_shapes[n], dtype=logic.param_dtypes[n]).requires_grad_(logic.param_dtypes[n].is_floating_point)
-                  for n in stage.param_names]
+        params = [
+            torch.empty(logic.param_shapes[n], dtype=logic.param_dtypes[n]).requires_grad_(
+                logic.param_dtypes[n].is_floating_point
+            )
+            for n in stage.param_names
+        ]
     buffers, inputs = vals[n_p:n_p + n_b], vals[n_p + n_b:n_p + n_b + n_i]
     acts = [v.detach().requires_grad_(v.is_floating_point()) for v in vals[n_p + n_b + n_i:]]
     out_vals = [n.meta["val"] for n in pytree.tree_leaves(next(n for n in fwd.graph.nodes if n.op == "output").args[0])]
@@ -369,21 +354,33 @@ def stage_joint(logic: LogicGraph, stage: Stage) -> fx.GraphModule:
         if is_last:
             targets, seeds = [outs[0]], None
         else:
-            pairs = [(o, g) for o, g in zip([o for o in outs[:len(sent)] if o.is_floating_point()], grads_out) if o.requires_grad]
+            pairs = [
+                (o, g)
+                for o, g in zip([o for o in outs[: len(sent)] if o.is_floating_point()], grads_out)
+                if o.requires_grad
+            ]
             targets, seeds = [o for o, _ in pairs], [g for _, g in pairs]
-        grads = torch.autograd.grad(targets, wrt, grad_outputs=seeds, allow_unused=True) if targets and wrt else [None] * len(wrt)
+        grads = (
+            torch.autograd.grad(targets, wrt, grad_outputs=seeds, allow_unused=True)
+            if targets and wrt
+            else [None] * len(wrt)
+        )
         it = iter(grads)
         full = [next(it) if t.requires_grad else None for t in list(params) + list(acts)]
         full = [torch.zeros_like(t) if g is None else g for t, g in zip(list(params) + list(acts), full)]
         return (*outs, *full)
 
     with _no_duck_sizing():
-        gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="fake")(params, list(buffers), list(inputs), acts, grads_out)
-        if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in gm.graph.nodes):
+        gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="fake")(
+            params, list(buffers), list(inputs), acts, grads_out
+        )
+        if any(is_mutable(n.target) for n in gm.graph.nodes):
             functional = torch.func.functionalize(gm, remove="mutations")
             with fake_mode:
                 plain = [p.detach() for p in params]
-            gm = make_fx(functional, tracing_mode="fake")(plain, list(buffers), list(inputs), [a.detach() for a in acts], grads_out)
+            gm = make_fx(functional, tracing_mode="fake")(
+                plain, list(buffers), list(inputs), [a.detach() for a in acts], grads_out
+            )
     _drop_identity_slices(gm)
     _fold_static_sizes(gm, n_p + n_b)
     gm = _cse(gm)

@@ -11,10 +11,13 @@ Refinements, each a case Megatron handles the same way:
   sibling projection has more heads (GQA with tp > kv heads: kv heads replicated), else an error;
 - the LM head (a column weight feeding a log-softmax) is replicated; the token embedding is
   vocab-parallel (Shard(0)) unless it is tied to the head.
-Roles are computed once per model; placements per config come from `param_placements`.
+Roles are computed once per model; placements per config come from `param_placements`, and the
+heads rule (`heads_sharded`) is the one the cluster model (`hotswitch.switch.cluster`) prices too.
 """
 from __future__ import annotations
 
+import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -59,18 +62,76 @@ class MatmulUse:
     bias: str | None
 
 
+class Role(str, enum.Enum):
+    """A parameter's tensor-parallel role (a str, so it compares equal to its value)."""
+
+    COLUMN = "column"  # output features sharded: Shard(out dim)
+    COLUMN_BIAS = "column_bias"  # the bias of a column weight: Shard(0)
+    ROW = "row"  # input features sharded; its output is partial (all-reduced or reduce-scattered)
+    VOCAB = "vocab"  # a token embedding sharded over the vocabulary: Shard(0)
+    REPLICATE = "replicate"  # whole on every tensor-parallel rank
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_SHARDED = (Role.COLUMN, Role.ROW, Role.VOCAB, Role.COLUMN_BIAS)
+
+
 @dataclass(frozen=True)
 class TPRoles:
-    """role per parameter: 'column' | 'column_bias' | 'row' | 'vocab' | 'replicate'; shard_dims: the
-    parameter dim to shard; heads: attention heads a column weight's output is viewed into."""
+    """role per parameter; shard_dims: the parameter dim to shard; heads: attention heads a column
+    weight's output is viewed into; reasons: why, for error messages and `hotswitch` reports."""
 
-    roles: dict[str, str]
+    roles: dict[str, Role]
     shard_dims: dict[str, int]
     reasons: dict[str, str]
     heads: dict[str, int]
 
     def placement_dim(self, name: str) -> int | None:
-        return self.shard_dims.get(name) if self.roles.get(name) in ("column", "row", "vocab", "column_bias") else None
+        return self.shard_dims.get(name) if self.roles.get(name) in _SHARDED else None
+
+
+def heads_sharded(heads: int, tp: int, query_heads: Iterable[int] = (), *, what: str = "a projection",
+                  config: str = "") -> bool:
+    """Megatron's rule for a projection viewed into `heads` attention heads under tensor parallelism
+    `tp`: shard it (True) when tp divides its heads, since a rank must hold whole heads; replicate it
+    (False) when it is a key/value projection of grouped-query attention with fewer heads than tp
+    (`query_heads`: the heads of its sibling query projections, which tp divides) and tp is a
+    multiple of its heads; anything else is a ValueError naming the tp degrees that work."""
+    if heads % tp == 0:
+        return True
+    if tp % heads == 0 and any(q > heads and q % tp == 0 for q in query_heads):
+        return False  # GQA with tp > kv heads: the kv projections are replicated, as Megatron does
+    ok = [d for d in range(1, heads + 1) if heads % d == 0]
+    where = f"config {config!r}: " if config else ""
+    if tp % heads and any(q % tp == 0 for q in query_heads):
+        raise ValueError(f"{where}tp={tp} and the {heads} key/value heads of {what} must divide one another (each rank "
+                         f"keeps whole kv heads); use a tp that divides {heads} or is a multiple of it")
+    raise ValueError(f"{where}tp={tp} does not divide the {heads} attention heads of {what}; choose tp from {ok} "
+                     "(a tensor-parallel rank must hold whole heads)")
+
+
+def param_placements(roles: TPRoles, param_names: list[str], tp: int, tp_axis: int | None, ndim: int,
+                     config: str = "") -> dict[str, tuple]:
+    """Megatron's placement of every parameter on a mesh of `ndim` axes whose tensor-parallel axis
+    is `tp_axis` (None without TP): its role's shard dim on that axis (whole heads per rank, see
+    `heads_sharded`), Replicate() everywhere else."""
+    from ._dtensor import Replicate, Shard
+
+    out = {}
+    for name in param_names:
+        placements = [Replicate()] * ndim
+        dim = roles.placement_dim(name)
+        if tp > 1 and dim is not None:
+            heads = roles.heads.get(name)
+            block = name.rsplit(".", 2)[0]
+            siblings = [roles.heads[n] for n in param_names
+                        if n != name and n.rsplit(".", 2)[0] == block and n in roles.heads]
+            if heads is None or heads_sharded(heads, tp, siblings, what=name, config=config):
+                placements[tp_axis] = Shard(dim)
+        out[name] = tuple(placements)
+    return out
 
 
 def _param_of(node, placeholders: dict[fx.Node, str]) -> tuple[str, int] | None:
@@ -200,44 +261,44 @@ def infer_tp_roles(graph: fx.Graph, param_names: list[str], num_buffers: int = 0
 
     for name, us in by_param.items():
         if name in embed_users:
-            roles[name], reasons[name] = "replicate", "tied to an embedding"
+            roles[name], reasons[name] = Role.REPLICATE, "tied to an embedding"
             continue
         origin = set().union(*(_origins(u.node.args[1] if u.node.target is aten.addmm.default else u.node.args[0],
                                         mm_param, param_free, params) for u in us))
         u = us[0]
         if origin and "barrier" not in origin:
-            roles[name], dims[name] = "row", 1 - u.out_dim
+            roles[name], dims[name] = Role.ROW, 1 - u.out_dim
             reasons[name] = f"input comes from {sorted(origin)}"
             if u.bias:
-                roles[u.bias], reasons[u.bias] = "replicate", f"bias of row-parallel {name}"
+                roles[u.bias], reasons[u.bias] = Role.REPLICATE, f"bias of row-parallel {name}"
             continue
         features = u.node.meta["val"].shape[-1]
         if _feeds_softmax(u.node):
-            roles[name], reasons[name] = "replicate", "LM head (feeds a log-softmax)"
+            roles[name], reasons[name] = Role.REPLICATE, "LM head (feeds a log-softmax)"
         elif _split_on_features(u.node, features):
-            roles[name], reasons[name] = "replicate", "fused projection split along its features"
+            roles[name], reasons[name] = Role.REPLICATE, "fused projection split along its features"
         else:
-            roles[name], dims[name] = "column", u.out_dim
+            roles[name], dims[name] = Role.COLUMN, u.out_dim
             reasons[name] = "input is the replicated residual stream"
             heads = _head_count(u.node, int(features))
             if heads is not None:
                 reasons[name] += f"; {heads} heads"
                 heads_of[name] = heads
-        if u.bias and roles[name] == "column":
-            roles[u.bias], dims[u.bias], reasons[u.bias] = "column_bias", 0, f"bias of column-parallel {name}"
+        if u.bias and roles[name] == Role.COLUMN:
+            roles[u.bias], dims[u.bias], reasons[u.bias] = Role.COLUMN_BIAS, 0, f"bias of column-parallel {name}"
         elif u.bias:
-            roles[u.bias], reasons[u.bias] = "replicate", f"bias of replicated {name}"
+            roles[u.bias], reasons[u.bias] = Role.REPLICATE, f"bias of replicated {name}"
     for name, node in embed_users.items():
         if name in used_in_mm:
             continue
         idx = node.args[1]
         from_input = any(a.op == "placeholder" for a in _ancestors(idx))
         if from_input:
-            roles[name], dims[name], reasons[name] = "vocab", 0, "token embedding (vocab-parallel)"
+            roles[name], dims[name], reasons[name] = Role.VOCAB, 0, "token embedding (vocab-parallel)"
         else:
-            roles[name], reasons[name] = "replicate", "positional embedding"
+            roles[name], reasons[name] = Role.REPLICATE, "positional embedding"
     for name in param_names:
-        roles.setdefault(name, "replicate")
+        roles.setdefault(name, Role.REPLICATE)
         reasons.setdefault(name, "norm, bias or other small parameter")
     return TPRoles(roles, dims, reasons, heads_of)
 

@@ -14,16 +14,16 @@ makes uneven DP splits (and ignored labels) exact.
 from __future__ import annotations
 
 import math
-import operator
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch._decomp import core_aten_decompositions
 from torch.export import Dim, export
 from torch.fx.experimental.proxy_tensor import make_fx
+
+from ._torch import OpOverload, core_aten_decompositions, is_mutable, pytree
 
 aten = torch.ops.aten
 
@@ -77,7 +77,11 @@ def _decompose(gm: fx.GraphModule, flat_inputs: list) -> fx.GraphModule:
         with fx_traceback.preserve_node_meta():
             return fx.Interpreter(gm).run(*args)
 
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings(), _no_duck_sizing():
+    with (
+        torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH),
+        warnings.catch_warnings(),
+        _no_duck_sizing(),
+    ):
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         return make_fx(run, decomposition_table=decomposition_table(), tracing_mode="symbolic")(*flat_inputs)
 
@@ -99,8 +103,8 @@ def _fold_static_sizes(gm: fx.GraphModule, num_static: int) -> None:
         if node.target is aten.sym_size.int and node.args[0] in static:
             value = int(node.args[0].meta["val"].shape[node.args[1]])
             for user in list(node.users):
-                user.args = torch.utils._pytree.tree_map(lambda a: value if a is node else a, user.args)
-                user.kwargs = torch.utils._pytree.tree_map(lambda a: value if a is node else a, user.kwargs)
+                user.args = pytree.tree_map(lambda a: value if a is node else a, user.args)
+                user.kwargs = pytree.tree_map(lambda a: value if a is node else a, user.kwargs)
             gm.graph.erase_node(node)
     gm.recompile()
 
@@ -137,8 +141,8 @@ def _cse(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _pure(target) -> bool:
-    if isinstance(target, torch._ops.OpOverload):
-        return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+    if isinstance(target, OpOverload):
+        return not is_mutable(target) and torch.Tag.nondeterministic_seeded not in target.tags
     return getattr(target, "__module__", None) in ("_operator", "operator") or target in (math.floor, math.ceil)
 
 
@@ -220,7 +224,9 @@ def _split_loss(gm: fx.GraphModule, param_nodes: set[fx.Node]) -> bool:
     return False
 
 
-def trace(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int, tuple[int, ...]] | None = None) -> LogicGraph:
+def trace(
+    model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int, tuple[int, ...]] | None = None
+) -> LogicGraph:
     """Trace `model(*example_inputs)` (a scalar loss) into a LogicGraph.
 
     dynamic_dims: input index -> dims that vary between calls; default: dims 0 (batch) and 1
@@ -256,7 +262,10 @@ def trace(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int,
         raise ValueError("every example input must be a tensor (pass options as module attributes, not inputs)")
 
     # The exported module: placeholders are (params, buffers, user inputs) in signature order.
-    state = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+    state = {
+        **dict(model.named_buffers(remove_duplicate=False)),
+        **dict(model.named_parameters(remove_duplicate=False)),
+    }
     fwd = _decompose(ep.graph_module, [state[n].detach() for n in param_names + buffer_names] + list(example_inputs))
     _fold_static_sizes(fwd, len(param_names) + len(buffer_names))
     canon = {id(p): n for n, p in model.named_parameters()}
@@ -301,8 +310,10 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffe
 
     p = [x.clone().requires_grad_(x.is_floating_point()) for x in params]
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), _no_duck_sizing():
-        gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="symbolic")(p, list(buffers), list(inputs))
-        if any(isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable for n in gm.graph.nodes):
+        gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="symbolic")(
+            p, list(buffers), list(inputs)
+        )
+        if any(is_mutable(n.target) for n in gm.graph.nodes):
             # A sharded program may not mutate (an in-place write into a view would land in a
             # redistributed copy): trace the joint graph once more, functionalized.
             functional = torch.func.functionalize(gm, remove="mutations")

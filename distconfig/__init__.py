@@ -4,13 +4,15 @@ Placements, device meshes, tensor layouts (each device's box), node topology and
 candidates a job can hot-switch between. Imports only numpy and torch.
 """
 
-from .config import DistConfig
+from .config import GRAMMAR, DistConfig, standard_configs
 from .layout import Box, Layout
 from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard, from_torch, to_torch
+from .stages import balanced_split
 from .topology import Topology
 
 __all__ = [
+    "GRAMMAR",
     "Box",
     "DistConfig",
     "Layout",
@@ -20,6 +22,8 @@ __all__ = [
     "Replicate",
     "Shard",
     "Topology",
+    "balanced_split",
     "from_torch",
+    "standard_configs",
     "to_torch",
 ]

@@ -13,9 +13,12 @@ from dataclasses import dataclass, replace
 
 from .mesh import Mesh
 
-__all__ = ["DistConfig"]
+__all__ = ["DistConfig", "standard_configs"]
 
 AXIS_NAMES = ("pp", "dp", "tp")
+_COMPACT = re.compile(r"(?:dp(\d+))?(?:tp(\d+))?(?:pp(\d+))?(sp)?")
+GRAMMAR = ("write a config as its compact name, e.g. 'dp4', 'dp2tp2', 'tp4sp', 'tp2pp2' (degrees of 1 may be left "
+           "out), or as key=value pairs, e.g. 'dp=2,tp=2,sp' (keys name, dp, tp, pp, sp, devices)")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -90,6 +93,31 @@ class DistConfig:
         """Mesh of shape (pp, dp, tp), tp innermost; every axis present even when its size is 1."""
         return Mesh.from_shape((self.pp, self.dp, self.tp), AXIS_NAMES, self.ranks())
 
+    @property
+    def stage_axes(self) -> tuple[str, ...]:
+        """The axes a pipeline stage computes on: dp and tp where above 1 (dp alone on one device).
+        Axes of size 1 are left out so that sharding propagation searches no dead mesh dims."""
+        return tuple(a for a in ("dp", "tp") if getattr(self, a) > 1) or ("dp",)
+
+    @property
+    def compute_axes(self) -> tuple[str, ...]:
+        """The axes of `compute_mesh` / `device_mesh`: "pp" first when pp > 1, then `stage_axes`."""
+        return (("pp",) if self.pp > 1 else ()) + self.stage_axes
+
+    def compute_mesh(self, devices: Sequence[int] | None = None) -> Mesh:
+        """The mesh the runtime computes on, as a pure value: `compute_axes`, over `devices` (default
+        this config's ranks). Parameter layouts of pp = 1 configs live on it."""
+        devices = self.ranks() if devices is None else self._check_devices(devices)
+        return Mesh.from_shape(tuple(getattr(self, a) for a in self.compute_axes), self.compute_axes, devices)
+
+    def device_mesh(self, device_type: str = "cpu"):
+        """The torch DeviceMesh of `compute_mesh()` on the current process group: the one place the
+        runtime's meshes are built (look axes up by name: `mesh["tp"]`, `mesh["dp", "tp"]`)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = self.compute_mesh()
+        return DeviceMesh(device_type, mesh.as_array().tolist(), mesh_dim_names=mesh.axis_names)
+
     def check_world_size(self, world_size: int) -> None:
         """Raise if this config cannot run in a job of `world_size` processes."""
         if not isinstance(world_size, numbers.Integral) or isinstance(world_size, bool) or world_size < 1:
@@ -133,11 +161,25 @@ class DistConfig:
         )
 
     @classmethod
-    def parse(cls, spec: str) -> DistConfig:
-        """Parse "dp=8,tp=8,pp=16" (keys: name, dp, tp, pp, sp, devices; bare "sp" means sp=true).
+    def parse(cls, spec: str | DistConfig) -> DistConfig:
+        """The one config grammar, accepted everywhere a config is given as a string.
 
-        devices are ':'-separated ranks ("devices=0:1:2:3"); the name defaults to e.g. "dp8tp8pp16".
+        Two spellings of the same config: the compact name "dp2tp4pp2sp" (degrees of 1 may be left
+        out; "sp" last) and key=value pairs "dp=2,tp=4,pp=2,sp" (keys name, dp, tp, pp, sp, devices;
+        a bare "sp" means sp=true; devices are ':'-separated ranks, "devices=0:1:2:3"). The name
+        defaults to the compact form, so "dp2tp2sp" and "dp=2,tp=2,sp" give equal configs. A
+        DistConfig is returned as it is.
         """
+        if isinstance(spec, DistConfig):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(f"a DistConfig or a config string is needed, got {type(spec).__name__}: {spec!r}; "
+                             f"{GRAMMAR}")
+        compact = _COMPACT.fullmatch(spec.strip())
+        if compact and spec.strip():  # (an empty string is key=value pairs with every default: one device)
+            dp, tp, pp = (int(d or 1) for d in compact.groups()[:3])
+            sp = bool(compact[4])
+            return cls(default_name(dp, tp, pp, sp), dp=dp, tp=tp, pp=pp, sp=sp)
         fields: dict[str, object] = {}
         for item in (part.strip() for part in spec.split(",")):
             if not item:
@@ -146,10 +188,7 @@ class DistConfig:
             if key == "sp" and not sep:
                 value = "true"
             if key not in ("name", "dp", "tp", "pp", "sp", "devices") or (key != "sp" and not sep):
-                raise ValueError(
-                    f"DistConfig spec {spec!r}: cannot read {item!r}; write comma-separated key=value "
-                    "pairs with keys name, dp, tp, pp, sp, devices, e.g. 'dp=2,tp=4,sp'"
-                )
+                raise ValueError(f"DistConfig spec {spec!r}: cannot read {item!r}; {GRAMMAR}")
             if key in fields:
                 raise ValueError(f"DistConfig spec {spec!r} sets {key!r} twice; give each key once")
             fields[key] = _parse_value(spec, key, value)
@@ -196,3 +235,23 @@ def _parse_value(spec: str, key: str, value: str):
         raise ValueError(
             f"DistConfig spec {spec!r}: {key}={value!r} is not a number; write e.g. {example}"
         ) from None
+
+
+def standard_configs(world_size: int, *, pipeline: bool = False) -> list[DistConfig]:
+    """The usual candidates on `world_size` devices, in this order: pure DP, DP x TP2, TP, TP + SP
+    and, with `pipeline`, DP x TP2 x PP2 and DP x PP2 (each where the world size allows it). The
+    demo, the training CLI and the benchmarks pick their defaults from this one list by name."""
+    w = world_size
+    if not isinstance(w, numbers.Integral) or w < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    out = [DistConfig.parse(f"dp{w}")]
+    if w >= 4 and w % 2 == 0:
+        out.append(DistConfig.parse(f"dp{w // 2}tp2"))
+    if w > 1:
+        out += [DistConfig.parse(f"tp{w}"), DistConfig.parse(f"tp{w}sp")]
+    if pipeline and w % 4 == 0:
+        out.append(DistConfig.parse(default_name(w // 4, 2, 2, False)))
+    if pipeline and w % 2 == 0:
+        out.append(DistConfig.parse(default_name(w // 2, 1, 2, False)))
+    unique = {c.name: c for c in out}
+    return list(unique.values())

@@ -1,17 +1,40 @@
-"""hotswitch: compile a model once for several parallel layouts and switch between them while training."""
-from distconfig import DistConfig, Topology
+"""hotswitch: compile a model once for several parallel layouts and switch between them while training.
 
-__all__ = ["CompiledModel", "DistConfig", "StepReport", "Topology", "Trainer", "compile"]
+    import hotswitch as hs
+    cm = hs.compile(model, example_inputs, ["dp4", "dp2tp2", "tp4sp"])   # ExecGraphs per config
+    trainer = hs.Trainer(model, ["dp=4", "tp=4,sp"])                      # mixed-length training
+    hs.launch(fn, 4)                                                      # fn(rank) on 4 processes
+
+Sub-packages follow the data flow, each importing only those before it: `distconfig` (layouts as
+values), `kernels`, `compiler` (trace, propagate, lower), `switch` (plan and execute switches),
+`runtime` (CompiledModel, pipeline schedules), `train` (Trainer, data, cost model), `elastic`,
+`bench`, `cli`. Names load on first use: `hotswitch plan` never imports the compiler.
+"""
+from hotswitch.distconfig import DistConfig, Topology
+
+__all__ = ["CompiledModel", "DistConfig", "StepReport", "Topology", "Trainer", "compile", "elastic", "launch",
+           "models"]
+
+_LAZY = {  # public name -> (module, attribute or None for the module itself)
+    "compile": ("hotswitch.runtime.compiled_model", "compile"),
+    "CompiledModel": ("hotswitch.runtime.compiled_model", "CompiledModel"),
+    "Trainer": ("hotswitch.train.trainer", "Trainer"),
+    "StepReport": ("hotswitch.train.trainer", "StepReport"),
+    "launch": ("hotswitch.distributed.launch", "launch"),
+    "models": ("hotswitch.models", None),
+    "elastic": ("hotswitch.elastic", None),
+}
 
 
 def __getattr__(name):
-    # The compiler (torch.export, DTensor) loads on first use: `hotswitch plan` never needs it.
-    if name in ("compile", "CompiledModel"):
-        from . import api
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hotswitch' has no attribute {name!r}")
+    import importlib
 
-        return getattr(api, name)
-    if name in ("Trainer", "StepReport"):
-        from . import trainer
+    module, attribute = _LAZY[name]
+    value = importlib.import_module(module)
+    return value if attribute is None else getattr(value, attribute)
 
-        return getattr(trainer, name)
-    raise AttributeError(f"module 'hotswitch' has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -275,8 +275,19 @@ def build_hf_model(kind: str, vocab_size: int = 1001, **overrides) -> HFCausalLM
         cfg.update(overrides)
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
     elif kind == "gpt2":
-        cfg = dict(vocab_size=vocab_size, n_embd=64, n_layer=2, n_head=4, n_positions=256, bos_token_id=0, eos_token_id=0,
-                   attn_implementation="sdpa", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = dict(
+            vocab_size=vocab_size,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=256,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_implementation="sdpa",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         cfg.update(overrides)
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg))
     else:

@@ -8,7 +8,7 @@ from collections import Counter
 import torch
 
 import hotswitch as hs
-from compiler.lower import collectives
+from hotswitch.compiler.lower import collectives
 from hotswitch.models import build_hf_model, build_model
 
 VOCAB = 1001  # divides by neither 2 nor 4: vocab-parallel shards are uneven
@@ -66,7 +66,11 @@ def assert_equivalent(kind: str, configs, tol: float = 1e-5, extra_seq: int | No
         grads = cm.full_grads()
         assert set(grads) == set(grads_ref), (set(grads) ^ set(grads_ref))
         worst = max(grads_ref, key=lambda n: rel_err(grads[n], grads_ref[n]))
-        assert rel_err(grads[worst], grads_ref[worst]) <= tol, (config.name, worst, rel_err(grads[worst], grads_ref[worst]))
+        assert rel_err(grads[worst], grads_ref[worst]) <= tol, (
+            config.name,
+            worst,
+            rel_err(grads[worst], grads_ref[worst]),
+        )
         state = cm.full_state_dict()
         assert set(state) == set(state_ref)
         assert all(torch.equal(state[k], state_ref[k]) for k in state_ref), config.name

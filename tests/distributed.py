@@ -81,14 +81,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from multiprocessing import connection as mp_connection
 from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from hotswitch.launch import patched_environ
 import torch.multiprocessing as mp
-from multiprocessing import connection as mp_connection
+
+from hotswitch.distributed.launch import patched_environ
 
 __all__ = ["CheckResult", "run_checks", "dist_fixture", "dist_tests"]
 
@@ -272,7 +272,8 @@ def run_checks(
             if abort is None and check_timeout is not None:
                 for rank in range(world_size):
                     if position[rank][0] == "in" and now - started_at[rank] > check_timeout:
-                        abort = f"check {names[position[rank][1]]!r} ran over check_timeout={check_timeout} s on rank {rank}"
+                        check = names[position[rank][1]]
+                        abort = f"check {check!r} ran over check_timeout={check_timeout} s on rank {rank}"
                         break
             if abort is not None and "failed to set up" not in abort:
                 abort += "; the ranks were: " + "; ".join(f"rank {r}: {where(r)}" for r in range(world_size))

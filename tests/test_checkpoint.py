@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
 
-from hotswitch.checkpoint import AsyncCheckpointer, CheckpointError, latest, list_checkpoints, load, verify
+from hotswitch.elastic.checkpoint import AsyncCheckpointer, CheckpointError, latest, list_checkpoints, load, verify
 from tests.distributed import dist_fixture
 
 # One directory for the whole module, shared by the parent and the workers (they read it from the env).

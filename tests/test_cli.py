@@ -8,13 +8,29 @@ import sys
 import pytest
 
 import hotswitch.cli as cli
-from hotswitch.launch import LaunchError, launch
+from hotswitch.cli import common, demo
+from hotswitch.distconfig import DistConfig
+from hotswitch.distributed.launch import LaunchError, launch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_demo_end_to_end():
-    cmd = [sys.executable, "-m", "hotswitch.cli", "demo", "--steps", "2", "--layers", "1", "--batch", "4", "--seq", "16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hotswitch.cli",
+        "demo",
+        "--steps",
+        "2",
+        "--layers",
+        "1",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out}\n{proc.stderr}"
@@ -34,16 +50,16 @@ def test_demo_end_to_end():
 
 
 def test_parse_config():
-    c = cli.parse_config("dp2tp2")
+    c = DistConfig.parse("dp2tp2")
     assert (c.name, c.dp, c.tp, c.sp) == ("dp2tp2", 2, 2, False)
-    c = cli.parse_config("tp4sp")
+    c = DistConfig.parse("tp4sp")
     assert (c.dp, c.tp, c.sp) == (1, 4, True)
-    assert cli.parse_config("dp8").dp == 8
-    for bad in ("", "xx", "dp", "sp2"):
+    assert DistConfig.parse("dp8").dp == 8
+    for bad in ("xx", "dp", "sp2", "tp4dp2"):
         with pytest.raises(Exception):
-            cli.parse_config(bad)
-    assert cli.default_configs(4) == ["dp4", "dp2tp2", "tp4sp"]
-    assert cli.default_configs(2) == ["dp2", "tp2sp"]
+            DistConfig.parse(bad)
+    assert demo.default_configs(4) == ["dp4", "dp2tp2", "tp4sp"]
+    assert demo.default_configs(2) == ["dp2", "tp2sp"]
 
 
 def test_main_without_command_prints_help(capsys):
@@ -54,22 +70,27 @@ def test_main_without_command_prints_help(capsys):
 def test_demo_rejects_bad_arguments():
     with pytest.raises(SystemExit, match="unknown model"):
         cli.main(["demo", "--model", "nope"])
-    with pytest.raises(SystemExit, match="dp<N>tp<M>"):
+    with pytest.raises(SystemExit, match="compact name, e.g. 'dp4', 'dp2tp2'"):
         cli.main(["demo", "--configs", "dp4,banana"])
 
 
 def test_plain_table_without_rich(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "rich", None)  # import rich -> ImportError
     monkeypatch.setitem(sys.modules, "rich.console", None)
-    cli.render_table("t", ["step", "loss"], [["0", "6.9"], ["10", "6.5"]])
-    assert capsys.readouterr().out.strip("\n").splitlines()[1:] == ["step  loss", "----  ----", "   0   6.9", "  10   6.5"]
+    common.render_table("t", ["step", "loss"], [["0", "6.9"], ["10", "6.5"]])
+    assert capsys.readouterr().out.strip("\n").splitlines()[1:] == [
+        "step  loss",
+        "----  ----",
+        "   0   6.9",
+        "  10   6.5",
+    ]
 
 
 def test_format_counts():
     from collections import Counter
 
-    assert cli.format_counts(Counter(all_reduce=2, all_gather=1)) == "AG×1 AR×2"
-    assert cli.format_counts(Counter()) == "-"
+    assert common.format_counts(Counter(all_reduce=2, all_gather=1)) == "AG×1 AR×2"
+    assert common.format_counts(Counter()) == "-"
 
 
 def _fails_on_rank1(rank, tag):

@@ -7,13 +7,16 @@ import time
 from collections import Counter
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from distconfig import DistConfig, Layout, Mesh, Replicate, Shard, Topology
-from hotswitch import cli, cluster, planner, reference_planner
-from hotswitch.cluster import ModelConfig, describe_model, layouts, split_stages, switch_moves
-from hotswitch.planner import ALGORITHMS, TensorMove, plan_switch
-from hotswitch.simulate import compare_algorithms, gpu_cluster, simulate
+import hotswitch.cli as cli
+from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Shard, Topology
+from hotswitch.switch import cluster, planner
+from hotswitch.switch.cluster import ModelConfig, describe_model, layouts, split_stages, switch_moves
+from hotswitch.switch.planner import ALGORITHMS, TensorMove, plan_switch
+from hotswitch.switch.simulate import compare_algorithms, gpu_cluster, simulate
+from tests import reference_planner
 
 # ---------------------------------------------------------------- model descriptions
 
@@ -125,12 +128,13 @@ def test_megatron_placements():
     assert layouts("gpt3-175b", DistConfig.parse("dp=8,tp=8,pp=16,sp"), 1024) == lay
 
 
-def test_gqa_kv_heads_grouped_when_tp_exceeds_them():
+def test_gqa_kv_heads_replicated_when_tp_exceeds_them():
+    """The compiler's rule (one copy, `tp_rules.heads_sharded`): kv projections replicated over tp."""
     lay = layouts("llama2-70b", DistConfig.parse("dp=8,tp=16,pp=8"), 1024)
     k = lay["model.layers.0.self_attn.k_proj.weight"]  # [8 kv heads x 128, 8192]
-    for r in range(16):  # tp rank r of the first dp group keeps kv head r // 2
-        head = r // 2
-        assert k.box(r) == ((head * 128, (head + 1) * 128), (0, 8192))
+    assert k.placements == (Replicate(), Replicate())
+    for r in range(16):  # every tp rank of the first dp group keeps all 8 kv heads
+        assert k.box(r) == ((0, 1024), (0, 8192))
     assert lay["model.layers.0.self_attn.q_proj.weight"].box(3) == ((3 * 512, 4 * 512), (0, 8192))
     lay8 = layouts("llama2-70b", DistConfig.parse("dp=16,tp=8,pp=8"), 1024)
     assert lay8["model.layers.0.self_attn.v_proj.weight"].placements == (Replicate(), Shard(0))

@@ -1,15 +1,18 @@
 """Compiled ExecGraphs on 2 gloo processes: equivalence, and errors that name the problem and the fix."""
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 import hotswitch as hs
-from compiler.lower import ShardingError
+from hotswitch.compiler.lower import ShardingError
 from hotswitch.models import GPT, GPTConfig
 from tests.compile_checks import assert_equivalent, batch, make_model, reference, rel_err
 from tests.distributed import dist_fixture
+
+pytestmark = pytest.mark.slow  # spawns gloo processes and compiles; `-m 'not slow'` leaves it out
 
 CONFIGS = [hs.DistConfig("dp2", dp=2), hs.DistConfig("tp2", tp=2), hs.DistConfig("tp2sp", tp=2, sp=True)]
 
@@ -76,7 +79,9 @@ def check_op_without_rule_non_strict():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cm = hs.compile(model, (ids, labels), configs=[hs.DistConfig("tp2", tp=2)], strict=False)
-    assert any("cdist" in str(w.message) and "replicated" in str(w.message) for w in caught), [str(w.message) for w in caught]
+    assert any("cdist" in str(w.message) and "replicated" in str(w.message) for w in caught), [
+        str(w.message) for w in caught
+    ]
     loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
     grads = cm.full_grads()
     assert abs(loss.item() - loss_ref.item()) < 1e-5 * loss_ref.item()

@@ -1,9 +1,12 @@
 """Compiled ExecGraphs on 4 gloo processes: equal to single-device training, Megatron's collectives."""
-import torch.distributed as dist
+
+import pytest
 
 import hotswitch as hs
-from tests.compile_checks import assert_equivalent, collective_counts, forward_collectives_per_block, make_model, batch
+from tests.compile_checks import assert_equivalent, batch, collective_counts, forward_collectives_per_block, make_model
 from tests.distributed import dist_fixture
+
+pytestmark = pytest.mark.slow  # spawns gloo processes and compiles; `-m 'not slow'` leaves it out
 
 CONFIGS = [hs.DistConfig("dp4", dp=4), hs.DistConfig("dp2tp2", dp=2, tp=2),
            hs.DistConfig("tp4sp", tp=4, sp=True), hs.DistConfig("tp4", tp=4)]
@@ -29,8 +32,10 @@ def _compiled_mha(kind, names=("tp4", "tp4sp", "dp4", "dp2tp2")):
     configs = {"tp4": hs.DistConfig("tp4", tp=4), "tp4sp": hs.DistConfig("tp4sp", tp=4, sp=True),
                "dp4": hs.DistConfig("dp4", dp=4), "dp2tp2": hs.DistConfig("dp2tp2", dp=2, tp=2)}
     cm = hs.compile(model, (ids, labels), configs=[configs[n] for n in names])
-    return {name: (forward_collectives_per_block(cm.exec_graph(name)), collective_counts(cm.exec_graph(name), "forward"))
-            for name in names}
+    return {
+        name: (forward_collectives_per_block(cm.exec_graph(name)), collective_counts(cm.exec_graph(name), "forward"))
+        for name in names
+    }
 
 
 def check_collectives_gpt():

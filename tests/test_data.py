@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hotswitch import data as D
 from hotswitch.models import document_causal_mask
+from hotswitch.train import data as D
 
 
 def _seqs(lengths, seed=0):

@@ -7,11 +7,12 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.distributed.tensor import placement_types as tp
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from distconfig import DistConfig, Layout, Mesh, Partial, Replicate, Shard, Topology, from_torch, to_torch
+from hotswitch.distconfig import DistConfig, Layout, Mesh, Partial, Replicate, Shard, Topology, from_torch, to_torch
 
 # ---------------------------------------------------------------- placements
 

@@ -19,7 +19,9 @@ import threading
 import pytest
 import torch
 
-from distconfig import DistConfig
+from hotswitch.distconfig import DistConfig
+
+pytestmark = pytest.mark.slow  # spawns gloo processes and compiles; `-m 'not slow'` leaves it out
 
 STEPS = 4
 BATCH = 8
@@ -47,8 +49,8 @@ def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
     Around each planned change the job's rank 0 saves the full job state to `snapshot_dir`."""
     import warnings
 
-    from hotswitch import data as D
     from hotswitch.elastic import ElasticJob, Event
+    from hotswitch.train import data as D
 
     warnings.filterwarnings("ignore")
     dataset = D.synthetic_skewed(64, 1001, 64, seed=0)
@@ -78,7 +80,7 @@ def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from hotswitch.membership import run_elastic
+    from hotswitch.elastic.membership import run_elastic
 
     out = {}
     for name, world, rule, events, kill in [
@@ -125,7 +127,7 @@ def test_failure_matches_a_planned_scale_in_at_the_same_step(runs):
 
 
 def test_samples_are_the_same_and_none_skipped_or_repeated(runs):
-    from hotswitch import data as D
+    from hotswitch.train import data as D
 
     failure, reference = runs["failure"], runs["reference"]
     assert failure["samples"] == reference["samples"]

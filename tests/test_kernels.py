@@ -7,9 +7,10 @@ import time
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from kernels import HAS_TRITON, INTERPRET, pack, packed_numel, unpack
+from hotswitch.kernels import HAS_TRITON, INTERPRET, pack, packed_numel, unpack
 
 needs_interpreter = pytest.mark.skipif(
     not (HAS_TRITON and INTERPRET), reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (tests/conftest.py sets it)"

@@ -2,7 +2,7 @@
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from compiler.memory import estimate_peak_bytes
+from hotswitch.compiler.memory import estimate_peak_bytes
 
 
 def _graph(fn, *args):

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hotswitch.launch import launch
-from hotswitch.netns import EmulatedNodes
+from hotswitch.distributed.launch import launch
+from hotswitch.distributed.netns import EmulatedNodes
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
                                 reason="network namespaces need root and iproute2")

@@ -5,7 +5,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hotswitch.order import EXACT_LIMIT, OrderPlan, cycle_cost, plan_order
+from hotswitch.switch.order import EXACT_LIMIT, OrderPlan, cycle_cost, plan_order
 
 
 def matrix_cost(names, seed, first_discount=0.5):

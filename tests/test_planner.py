@@ -5,11 +5,12 @@ import time
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from distconfig import DistConfig, Layout, Mesh, Partial, Replicate, Shard, Topology
-from hotswitch.cluster import switch_moves
-from hotswitch.planner import ALGORITHMS, PlanCache, SwitchPlan, TensorMove, Transfer, plan_switch
+from hotswitch.distconfig import DistConfig, Layout, Mesh, Partial, Replicate, Shard, Topology
+from hotswitch.switch.cluster import switch_moves
+from hotswitch.switch.planner import ALGORITHMS, PlanCache, SwitchPlan, TensorMove, Transfer, plan_switch
 
 NUM_DEVICES = 16
 
@@ -332,7 +333,7 @@ def _lost_device_moves(src_shape, src_placements, dst_devices, dst_shape, dst_pl
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_plan_without_a_failed_device_takes_its_slices_from_replicas(algorithm):
     """dp2tp2 on 0..3, device 3 gone, dp3 on 0..2: device 3's TP half comes from its dp peer 1, exactly."""
-    from hotswitch.planner import unowned
+    from hotswitch.switch.planner import unowned
 
     moves = _lost_device_moves((2, 2), (Replicate(), Shard(1)), [0, 1, 2], (3,), (Replicate(),))
     assert unowned(moves, {3}) == {}
@@ -347,7 +348,7 @@ def test_plan_without_a_failed_device_takes_its_slices_from_replicas(algorithm):
 
 
 def test_plan_reports_slices_no_survivor_holds():
-    from hotswitch.planner import LostState, unowned
+    from hotswitch.switch.planner import LostState, unowned
 
     moves = _lost_device_moves((4,), (Shard(0),), [0, 1, 2], (3,), (Shard(1),))  # tp4: no replica of anything
     assert unowned(moves, {2}) == {"w": [((6, 9), (0, 10))]}

@@ -3,8 +3,8 @@ stage graphs that chain back into the model's loss and gradients."""
 import pytest
 import torch
 
-from compiler.stages import balanced_split, split_forward_backward, split_stages, stage_joint
-from compiler.trace import trace
+from hotswitch.compiler.stages import balanced_split, split_forward_backward, split_stages, stage_joint
+from hotswitch.compiler.trace import trace
 from hotswitch.models import build_model
 from tests.compile_checks import batch, reference, rel_err
 
@@ -99,7 +99,9 @@ def test_tied_weights_get_a_copy_per_stage_and_too_many_stages_are_refused():
     num, den = outs[:2]
     grads_last = dict(zip(last.param_names, outs[2:2 + last.num_params]))
     grad_act = outs[2 + last.num_params:]
-    outs = stage_joint(logic, first)([params[n].detach() for n in first.param_names], buffers, [ids, labels], [], grad_act)
+    outs = stage_joint(logic, first)(
+        [params[n].detach() for n in first.param_names], buffers, [ids, labels], [], grad_act
+    )
     grads_first = dict(zip(first.param_names, outs[2:2 + first.num_params]))
     assert abs((num / den).item() - loss_ref.item()) < 1e-6 * loss_ref.item()
     tied = (grads_first["embed.weight"] + grads_last["embed.weight"]) / den  # the sum of the copies' parts

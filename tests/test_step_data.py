@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hotswitch import data as D
 from hotswitch.models import PackedCausalLMLoss, build_model
+from hotswitch.train import data as D
 
 VOCAB = 97
 
@@ -46,7 +46,7 @@ def _reference_grads(model, sequences):
     loss = sum(F.cross_entropy(_logits(model, s[None])[0, :-1].float(), s[1:], reduction="sum")
                for s in sequences if len(s) > 1) / total
     loss.backward()
-    return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _trainer_path_grads(model, sequences, *, num_buckets, multiple, dp, micro_batch_tokens):

@@ -1,12 +1,15 @@
 """Hot switching on 4 gloo processes (2 nodes of 2): planned, bit-exact, atomic."""
+import pytest
 import torch
 import torch.distributed as dist
 
 import hotswitch as hs
-from distconfig import Topology
-from hotswitch.executor import SwitchAborted, inject_fault
+from hotswitch.distconfig import Topology
+from hotswitch.switch.executor import SwitchAborted, inject_fault
 from tests.compile_checks import batch, make_model, reference, rel_err
 from tests.distributed import dist_fixture
+
+pytestmark = pytest.mark.slow  # spawns gloo processes and compiles; `-m 'not slow'` leaves it out
 
 CONFIGS = [hs.DistConfig("dp4", dp=4), hs.DistConfig("dp2tp2", dp=2, tp=2), hs.DistConfig("tp4sp", tp=4, sp=True),
            hs.DistConfig("tp4", tp=4)]
@@ -101,7 +104,9 @@ def check_attached_state_moves_with_switches():
         cm.switch(name)
         assert all(torch.equal(moments[n], t) for n, t in cm.full_state("exp_avg").items()), name
         full_master = cm.full_state("master")
-        assert all(full_master[n].dtype == torch.float64 and torch.equal(master[n], full_master[n]) for n in master), name
+        assert all(full_master[n].dtype == torch.float64 and torch.equal(master[n], full_master[n]) for n in master), (
+            name
+        )
     cm.detach_state("exp_avg"), cm.detach_state("master")
 
 

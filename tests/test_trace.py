@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from compiler.tp_rules import infer_tp_roles
-from compiler.trace import trace
+from hotswitch.compiler.tp_rules import infer_tp_roles
+from hotswitch.compiler.trace import trace
 from hotswitch.models import build_hf_model, build_model
 
 IDS = torch.randint(0, 1001, (3, 16), generator=torch.Generator().manual_seed(0))

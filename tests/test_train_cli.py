@@ -24,6 +24,7 @@ def _train(*args, timeout=600):
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_train_from_jsonl_prints_steps_and_saves_the_final_state(tmp_path):
     g = torch.Generator().manual_seed(0)
     lengths = [5, 9, 12, 40, 60, 7, 3, 33, 18, 25, 64, 11] * 2
@@ -31,7 +32,9 @@ def test_train_from_jsonl_prints_steps_and_saves_the_final_state(tmp_path):
     data.write_text("".join(json.dumps(torch.randint(1, 1000, (n,), generator=g).tolist()) + "\n" for n in lengths))
     final = tmp_path / "final.pt"
     out = _train("--dataset", str(data), "--steps", "2", "--save-final", str(final))
-    steps = re.findall(r"^step (\d+) loss (\S+) tokens (\d+) ([\d,]+) tok/s .* switch ([\d.]+)s .*\]:(dp2|tp2sp)x\d+", out, re.M)
+    steps = re.findall(
+        r"^step (\d+) loss (\S+) tokens (\d+) ([\d,]+) tok/s .* switch ([\d.]+)s .*\]:(dp2|tp2sp)x\d+", out, re.M
+    )
     assert [int(s[0]) for s in steps] == [1, 2], out
     assert all(math.isfinite(float(s[1])) and int(s[2]) > 0 for s in steps)
     assert re.search(r"^2 steps: [\d,]+ tokens/s, switching [\d.]+ s = [\d.]+% of step time", out, re.M), out
@@ -40,6 +43,7 @@ def test_train_from_jsonl_prints_steps_and_saves_the_final_state(tmp_path):
     assert all(torch.isfinite(v).all() for v in state.values())
 
 
+@pytest.mark.slow
 def test_train_static_runs_one_config_without_switching():
     out = _train("--steps", "1", "--static", "tp=2,sp")
     line = re.search(r"^step 1 .* switch ([\d.]+)s .*", out, re.M)

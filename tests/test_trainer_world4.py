@@ -6,11 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hotswitch import data as D
-from hotswitch.cost_model import NoConfigFits
 from hotswitch.models import build_hf_model, build_model
-from hotswitch.trainer import Trainer
+from hotswitch.train import data as D
+from hotswitch.train.cost_model import NoConfigFits
+from hotswitch.train.trainer import Trainer
 from tests.distributed import dist_fixture
+
+pytestmark = pytest.mark.slow  # spawns gloo processes and compiles; `-m 'not slow'` leaves it out
 
 VOCAB = 1001
 CONFIGS = ["name=dp4,dp=4", "name=dp2tp2,dp=2,tp=2", "name=tp4sp,tp=4,sp"]
@@ -42,7 +44,9 @@ def _reference_steps(model, batches):
     out = []
     for seqs in batches:
         total = sum(len(s) - 1 for s in seqs)
-        loss = sum(F.cross_entropy(_logits(model, s[None])[0, :-1].float(), s[1:], reduction="sum") for s in seqs) / total
+        loss = (
+            sum(F.cross_entropy(_logits(model, s[None])[0, :-1].float(), s[1:], reduction="sum") for s in seqs) / total
+        )
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
@@ -79,8 +83,17 @@ def _steps_against(trainer, batches, ref):
         everything = math.sqrt(sum(float((weights[k] - v).pow(2).sum()) for k, v in ref_weights.items()))
         everything /= math.sqrt(sum(float(v.pow(2).sum()) for v in ref_weights.values()))
         grad_err = max(float((grads[n] - g).norm() / g.norm()) for n, g in ref_grads.items() if g.norm() > 0)
-        steps.append(dict(loss=report.loss, ref_loss=ref_loss, weights=everything, worst_tensor=max(per_tensor.values()),
-                          grads=grad_err, report=report, sequences=len(seqs)))
+        steps.append(
+            dict(
+                loss=report.loss,
+                ref_loss=ref_loss,
+                weights=everything,
+                worst_tensor=max(per_tensor.values()),
+                grads=grad_err,
+                report=report,
+                sequences=len(seqs),
+            )
+        )
     return steps
 
 
@@ -170,10 +183,18 @@ def check_bf16_compute_keeps_fp32_masters():
     return out
 
 
-results = dist_fixture(4, [check_gpt_zero1_matches_single_device, check_llama_matches_single_device,
-                           check_budget_keeps_long_rows_off_pure_dp, check_llama_with_automatic_buckets_matches_single_device,
-                           check_different_batches_are_refused, check_bf16_compute_keeps_fp32_masters],
-                       env={"HOTSWITCH_PACK_BACKEND": "torch"})
+results = dist_fixture(
+    4,
+    [
+        check_gpt_zero1_matches_single_device,
+        check_llama_matches_single_device,
+        check_budget_keeps_long_rows_off_pure_dp,
+        check_llama_with_automatic_buckets_matches_single_device,
+        check_different_batches_are_refused,
+        check_bf16_compute_keeps_fp32_masters,
+    ],
+    env={"HOTSWITCH_PACK_BACKEND": "torch"},
+)
 
 
 def _assert_equivalent(steps, worst_tensor, configs=BUCKET_CONFIGS):

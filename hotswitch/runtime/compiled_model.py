@@ -15,17 +15,17 @@ import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from compiler import _dtensor as dt
-from compiler.lower import OutputPlan, lower, propagate_graph
-from compiler.stages import StageSplit, split_stages
-from compiler.tp_rules import TPRoles, infer_tp_roles, param_views
-from compiler.trace import LogicGraph, seq_symbol, trace
-from distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch
-
-from .executor import SwitchStats, execute_plan
-from .order import OrderPlan, plan_order
-from .pipeline import SCHEDULES, StepStats, lower_stage, reduction_for, run_step
-from .planner import PlanCache, SwitchPlan, TensorMove
+from hotswitch.compiler import _dtensor as dt
+from hotswitch.compiler.program import StageMesh, StageProgram, lower_program
+from hotswitch.compiler.stages import StageSplit, split_stages
+from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
+from hotswitch.compiler.trace import LogicGraph, trace
+from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch
+from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
+from hotswitch.switch.executor import SwitchStats, execute_plan
+from hotswitch.switch.order import OrderPlan, plan_order
+from hotswitch.switch.planner import PlanCache, SwitchPlan, TensorMove
+from hotswitch.switch.state import StateKind, split_key, state_key
 
 
 @dataclass
@@ -33,26 +33,25 @@ class ConfigState:
     """What one DistConfig needs on this rank."""
 
     config: DistConfig
-    mesh: DeviceMesh
+    mesh: DeviceMesh  # this rank's stage mesh: the config's `stage_axes` (dp, tp); all of it under pp = 1
     axis: dict[str, int]  # mesh axis name -> mesh dim
     param_specs: dict[str, tuple]  # parameter name -> torch placements, one per mesh dim
-    train_graphs: dict[tuple, fx.GraphModule] = field(default_factory=dict)  # global input shapes -> graph
-    forward_graphs: dict[tuple, fx.GraphModule] = field(default_factory=dict)
+    # (local shapes, train, reduce) -> this rank's programs: whole-model graphs with the DP reduction
+    # inside (reduce=True, one forward_backward call under pp = 1) or deferred (micro-batches, pp > 1)
+    programs: dict[tuple, StageProgram] = field(default_factory=dict)
     compile_seconds: dict[tuple, float] = field(default_factory=dict)
     last_shapes: tuple | None = None
     layouts: dict | None = None  # parameter name -> distconfig Layout, built on first use
-    # Pipeline parallelism (pp > 1; also micro-batches under pp = 1): `mesh` above is then this rank's
-    # stage sub-mesh (dp, tp), on which `param_specs` are placed; `full_mesh` is (pp, dp, tp).
+    # pp > 1: `full_mesh` is (pp, dp, tp) and `mesh` this rank's stage's slice of it
     full_mesh: DeviceMesh | None = None
     stage: int = 0
-    programs: dict[tuple, object] = field(default_factory=dict)  # (local micro-batch shapes, train) -> StageProgram
     copy_groups: dict[tuple, object] = field(default_factory=dict)  # stages sharing a parameter -> this rank's group
     reductions: dict[tuple, fx.GraphModule] = field(default_factory=dict)
 
-
-def _mesh_axes(config: DistConfig) -> tuple[list[str], list[int]]:
-    names = [a for a, n in (("dp", config.dp), ("tp", config.tp)) if n > 1] or ["dp"]
-    return names, [getattr(config, a) for a in names]
+    @property
+    def where(self) -> StageMesh:
+        """The stage's mesh and placements, as the compiler's lowering takes them."""
+        return StageMesh(self.mesh, self.axis, self.config.dp, self.config.sp, self.param_specs, self.config.name)
 
 
 class CompiledModel:
@@ -62,7 +61,7 @@ class CompiledModel:
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU), on every rank")
-        configs = list(configs)
+        configs = [DistConfig.parse(c) for c in configs]  # "dp2tp2sp" or "dp=2,tp=2,sp" as well as DistConfigs
         if not configs:
             raise ValueError("configs is empty: pass at least one DistConfig, e.g. [hs.DistConfig('dp4', dp=4)]")
         names = [c.name for c in configs]
@@ -86,8 +85,13 @@ class CompiledModel:
         # `logic`: this model's LogicGraph from an earlier compile (elastic changes re-compile, not re-trace)
         self.logic: LogicGraph = logic if logic is not None else trace(model, self._example_inputs)
         self.trace_seconds = time.perf_counter() - t0
-        self.roles: TPRoles = infer_tp_roles(self.logic.forward.graph, self.logic.param_names, len(self.logic.buffer_names))
-        tensors = {**dict(model.named_buffers(remove_duplicate=False)), **dict(model.named_parameters(remove_duplicate=False))}
+        self.roles: TPRoles = infer_tp_roles(
+            self.logic.forward.graph, self.logic.param_names, len(self.logic.buffer_names)
+        )
+        tensors = {
+            **dict(model.named_buffers(remove_duplicate=False)),
+            **dict(model.named_parameters(remove_duplicate=False)),
+        }
         self._buffers = [tensors[n].detach().clone() for n in self.logic.buffer_names]
         self._state_keys = list(model.state_dict().keys())
         self._splits: dict[int, StageSplit] = {}  # pp -> the LogicGraph cut into pp stages
@@ -100,15 +104,15 @@ class CompiledModel:
         self.grad_dtype: torch.dtype | None = None  # gradient accumulators' dtype; None: the parameter's
         self._param_states: dict[str, dict[str, torch.Tensor]] = {}
         self._global_shapes: dict[tuple, tuple] = {}
+        self._propagation_memo: dict = {}  # DTensor propagation results shared by this model's lowerings
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
             report(f"compiling {c.name}")
-            if c.pp > 1:
-                self._stage_program(self._states[c.name], self._local_shapes(self._states[c.name], shapes), train=True)
-            else:
-                self._train_graph(self._states[c.name], shapes)
+            self.exec_graph(c.name, shapes)
         # ranks start from identical full weights: each keeps its pieces under the first config
-        self._local = self._pieces(self._states[configs[0].name], {n: tensors[n].detach() for n in self.logic.param_names})
+        self._local = self._pieces(
+            self._states[configs[0].name], {n: tensors[n].detach() for n in self.logic.param_names}
+        )
         self._active = configs[0].name
 
     # ------------------------------------------------------------------------------- public surface
@@ -126,10 +130,13 @@ class CompiledModel:
         With pp > 1: this rank's stage's lowered joint graph for one micro-batch of the global
         `shapes` (the gradient reduction is a separate program, run once per step)."""
         st = self._state(name)
-        shapes = shapes or st.last_shapes or tuple(tuple(x.shape) for x in self._example_inputs)
-        if st.config.pp > 1:
-            return self._stage_program(st, self._local_shapes(st, tuple(tuple(s) for s in shapes)), train=True).joint
-        return self._train_graph(st, tuple(tuple(s) for s in shapes))
+        shapes = tuple(
+            tuple(s) for s in (shapes or st.last_shapes or tuple(tuple(x.shape) for x in self._example_inputs))
+        )
+        st.last_shapes = shapes
+        if st.config.pp == 1:
+            self._check_split(st, shapes)
+        return self._program(st, self._local_shapes(st, shapes), train=True, reduce=st.config.pp == 1).joint
 
     def switch(self, name: str, algorithm: str = "greedy") -> SwitchStats:
         """Activate config `name`: weights, accumulated gradients and every attached per-parameter
@@ -140,21 +147,25 @@ class CompiledModel:
             return SwitchStats(name, name, algorithm, 0.0, 0, 0)
         t0 = time.perf_counter()
         kinds = self._moving_kinds()
-        plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads="grad" in kinds,
-                                states=tuple(k for k in kinds if k != "grad"))
+        plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads=StateKind.GRAD in kinds,
+                                states=tuple(k for k in kinds if k != StateKind.GRAD))
         old = dict(self._local)
         for kind in kinds:
-            old.update({f"{kind}:{n}": t for n, t in self._kind(kind).items()})
+            old.update({state_key(kind, n): t for n, t in self._kind(kind).items()})
         dst = self._layouts(name, kinds)
         new, sent, received = execute_plan(plan, old, self._layouts(self._active, kinds), dst, self.rank,
                                            dtypes={m: self._dtype(m) for m in dst})
         # under pp > 1 a rank holds only its stage's parameters: the others are absent from `new`
         self._local = {n: new[n] for n in self.logic.param_names if n in new}
         if self._grads is not None:
-            self._grads = {n: new[f"grad:{n}"] for n in self.logic.param_names if f"grad:{n}" in new}
+            self._grads = {n: new[state_key(StateKind.GRAD, n)] for n in self.logic.param_names
+                           if state_key(StateKind.GRAD, n) in new}
         for kind in self._param_states:
-            self._param_states[kind] = {n: new[f"{kind}:{n}"] for n in self.logic.param_names if f"{kind}:{n}" in new}
-        self.last_switch = SwitchStats(self._active, st.config.name, algorithm, time.perf_counter() - t0, sent, received)
+            self._param_states[kind] = {n: new[state_key(kind, n)] for n in self.logic.param_names
+                                        if state_key(kind, n) in new}
+        self.last_switch = SwitchStats(
+            self._active, st.config.name, algorithm, time.perf_counter() - t0, sent, received
+        )
         self._active = name
         return self.last_switch
 
@@ -165,16 +176,20 @@ class CompiledModel:
         Under a pipeline config a rank gives only its stage's parameters' shards. When any config has
         pp > 1 this is a collective (call on every rank): ranks learn the dtypes of shards they may
         receive later."""
-        if kind == "grad" or ":" in kind:
+        if kind == StateKind.GRAD or ":" in kind:
             raise ValueError(f"state kind {kind!r} is reserved or contains ':'; pick another name such as 'exp_avg'")
         missing = set(self._local) - set(local)
         if missing:
-            raise ValueError(f"state {kind!r} lacks entries for {sorted(missing)[:3]}...: give one tensor per parameter "
-                             "this rank holds (all of them, or under pp > 1 those of its stage)")
+            raise ValueError(
+                f"state {kind!r} lacks entries for {sorted(missing)[:3]}...: give one tensor per parameter "
+                "this rank holds (all of them, or under pp > 1 those of its stage)"
+            )
         for n in self._local:
             if tuple(local[n].shape) != tuple(self._local[n].shape):
-                raise ValueError(f"state {kind!r} of {n} has shape {tuple(local[n].shape)}, but this rank's shard of the "
-                                 f"parameter under {self._active!r} has shape {tuple(self._local[n].shape)}")
+                raise ValueError(
+                    f"state {kind!r} of {n} has shape {tuple(local[n].shape)}, but this rank's shard of the "
+                    f"parameter under {self._active!r} has shape {tuple(self._local[n].shape)}"
+                )
         self._param_states[kind] = {n: local[n] for n in self._local}
         dtypes = {n: t.dtype for n, t in self._param_states[kind].items()}
         if any(c.pp > 1 for c in self._configs):  # a rank receiving a parameter it never held must know its dtype
@@ -205,7 +220,7 @@ class CompiledModel:
         """The plan moving weights (and gradients and attached states) from one config's layout to
         another's. Pure: no communication; every rank computes the same plan; cached per pair."""
         self._state(source), self._state(destination)
-        kinds = (("grad",) if with_grads else ()) + tuple(states)
+        kinds = ((StateKind.GRAD,) if with_grads else ()) + tuple(states)
 
         def moves():
             src, dst = self._layouts(source, kinds), self._layouts(destination, kinds)
@@ -218,8 +233,9 @@ class CompiledModel:
         the plans' estimated seconds; the first switch of a step moves weights only."""
         for n in names:
             self._state(n)
-        return plan_order(list(names), lambda a, b, first: self.plan_switch(a, b, with_grads=not first).estimated_seconds,
-                          base=base)
+        return plan_order(
+            list(names), lambda a, b, first: self.plan_switch(a, b, with_grads=not first).estimated_seconds, base=base
+        )
 
     def shard_inputs(self, *global_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's part of a global batch: batch dim 0 split over the data-parallel axis (torch.chunk)."""
@@ -230,9 +246,13 @@ class CompiledModel:
         index = self._coordinate(st, "dp")
         batch = global_inputs[0].shape[0]
         if batch < dp:
-            raise ValueError(f"a global batch of {batch} cannot be split over dp={dp} ranks: use a batch of at least {dp}")
+            raise ValueError(
+                f"a global batch of {batch} cannot be split over dp={dp} ranks: use a batch of at least {dp}"
+            )
         local = tuple(x.tensor_split(dp, dim=0)[index] if dp > 1 else x for x in global_inputs)
-        self._global_shapes[(self._active, tuple(tuple(x.shape) for x in local))] = tuple(tuple(x.shape) for x in global_inputs)
+        self._global_shapes[(self._active, tuple(tuple(x.shape) for x in local))] = tuple(
+            tuple(x.shape) for x in global_inputs
+        )
         return local
 
     def forward_backward(self, *local_inputs: torch.Tensor, grad_scale: float = 1.0, micro_batches: int = 1,
@@ -254,17 +274,13 @@ class CompiledModel:
         st = self._states[self._active]
         if micro_batches != 1 or st.config.pp > 1:
             return self._pipelined(st, local_inputs, micro_batches, schedule, grad_scale, train=True)
-        gm = self._train_graph(st, self._global_input_shapes(st, local_inputs))
+        shapes = self._global_input_shapes(st, local_inputs)
+        self._check_split(st, shapes)
+        st.last_shapes = shapes
+        gm = self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=True, reduce=True).joint
         outs = gm(*self._local_params(), *self._buffers, *local_inputs)
-        loss, grads = outs[0], outs[1:]
-        if self._grads is None:
-            self._grads = {n: g.detach().to(self.grad_dtype or g.dtype).mul_(grad_scale) if grad_scale != 1.0
-                           else g.detach().to(self.grad_dtype or g.dtype)
-                           for n, g in zip(self.logic.param_names, grads)}
-        else:
-            for n, g in zip(self.logic.param_names, grads):
-                self._grads[n].add_(g.detach(), alpha=grad_scale)
-        return loss.detach()
+        self._add_grads(dict(zip(self.logic.param_names, outs[1:])), grad_scale)
+        return outs[0].detach()
 
     def __call__(self, *local_inputs: torch.Tensor) -> torch.Tensor:
         """Forward only: the loss of the global batch."""
@@ -272,11 +288,10 @@ class CompiledModel:
         if st.config.pp > 1:
             with torch.no_grad():
                 return self._pipelined(st, local_inputs, 1, None, 1.0, train=False)
-        shapes = self._global_input_shapes(st, local_inputs)
-        if shapes not in st.forward_graphs:
-            st.forward_graphs[shapes] = self._lower(st, self.logic.forward.graph, shapes, with_grads=False)
+        self._check_split(st, self._global_input_shapes(st, local_inputs))
+        gm = self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=False, reduce=True).joint
         with torch.no_grad():
-            return st.forward_graphs[shapes](*self._local_params(), *self._buffers, *local_inputs)[0]
+            return gm(*self._local_params(), *self._buffers, *local_inputs)[0]
 
     def zero_grad(self) -> None:
         self._grads = None
@@ -286,8 +301,10 @@ class CompiledModel:
         for n in self._local:  # every parameter; under pp > 1 those of this rank's stage
             if n not in local or tuple(local[n].shape) != tuple(self._local[n].shape):
                 got = tuple(local[n].shape) if n in local else "nothing"
-                raise ValueError(f"set_local_params: {n} needs this rank's shard of shape {tuple(self._local[n].shape)} "
-                                 f"under {self._active!r}, got {got}")
+                raise ValueError(
+                    f"set_local_params: {n} needs this rank's shard of shape {tuple(self._local[n].shape)} "
+                    f"under {self._active!r}, got {got}"
+                )
         self._local = {n: local[n] for n in self._local}
 
     def layouts(self, name: str) -> dict[str, Layout]:
@@ -304,25 +321,44 @@ class CompiledModel:
         devices = [int(d) for d in devices]
         if config.world_size != len(devices):
             raise ValueError(f"config {config.name!r} needs {config.world_size} devices, got {len(devices)}: {devices}")
-        names, shape = _mesh_axes(config)
-        mesh = Mesh.from_shape(shape, names, devices)
-        axis = {a: i for i, a in enumerate(names)}
-        return {n: Layout(tuple(self.logic.param_shapes[n]), mesh,
-                          tuple(from_torch(p) for p in self._param_placement(n, config, axis, len(names))))
+        mesh = config.compute_mesh(devices)
+        placements = param_placements(
+            self.roles,
+            self.logic.param_names,
+            config.tp,
+            mesh.axis_index("tp") if "tp" in mesh.axis_names else None,
+            mesh.ndim,
+            config.name,
+        )
+        return {n: Layout(tuple(self.logic.param_shapes[n]), mesh, tuple(from_torch(p) for p in placements[n]))
                 for n in self.logic.param_names}
 
-    def as_dtensors(self, local: dict[str, torch.Tensor]) -> dict[str, DTensor]:
-        """Per-parameter shards in the active layout as DTensors (no communication), e.g. for a
-        torch.distributed.checkpoint save or a resharding load. Only pp = 1 configs."""
-        st = self._states[self._active]
-        if st.full_mesh is not None:
-            raise ValueError(f"as_dtensors supports pp = 1 configs; {self._active!r} has pp={st.config.pp}")
-        out = {}
-        for n, t in local.items():
-            shape = tuple(self.logic.param_shapes[n])
-            out[n] = DTensor.from_local(t, st.mesh, st.param_specs[n], run_check=False, shape=shape,
-                                        stride=torch.empty(shape, device="meta").stride())
-        return out
+    def as_dtensors(self, local: dict[str, torch.Tensor], config: str | None = None,
+                    mesh: DeviceMesh | None = None) -> dict[str, DTensor]:
+        """Per-parameter shards in the layout of `config` (default the active one) as DTensors (no
+        communication), e.g. for a torch.distributed.checkpoint save or a resharding load; `mesh`
+        replaces the config's own mesh by an equal one (DTensor redistributes only within a mesh).
+        Under pp > 1 the shards of this rank's stage, on its stage mesh."""
+        st = self._state(config or self._active)
+        mesh = mesh or st.mesh
+        return {n: dt.from_local(t, mesh, st.param_specs[n], self.logic.param_shapes[n]) for n, t in local.items()}
+
+    def local_shapes(self, config: str) -> dict[str, tuple[int, ...]]:
+        """{parameter: shape of this rank's shard} under `config` (only the parameters it holds)."""
+        layouts = self._layouts(config)
+        return {n: layouts[n].local_shape(self.rank) for n in self.held(config)}
+
+    def held(self, config: str) -> list[str]:
+        """The parameters this rank holds a piece of under `config`: all, or under pp > 1 its stage's."""
+        return self._held(self._state(config))
+
+    def device_mesh(self, config: str) -> DeviceMesh:
+        """The DeviceMesh this rank computes on under `config` (under pp > 1: its stage's (dp, tp) mesh)."""
+        return self._state(config).mesh
+
+    def placements(self, config: str) -> dict[str, tuple]:
+        """{parameter: torch placements on `device_mesh(config)`}."""
+        return dict(self._state(config).param_specs)
 
     def process_group(self, name: str, axis: str):
         """The process group of this rank along mesh axis `axis` ('dp', 'tp', or 'pp': this rank's
@@ -340,7 +376,9 @@ class CompiledModel:
     def local_grads(self) -> dict[str, torch.Tensor] | None:
         return None if self._grads is None else dict(self._grads)
 
-    def full_state_dict(self, canonical: bool = False, params: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    def full_state_dict(
+        self, canonical: bool = False, params: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, torch.Tensor]:
         """{name: full tensor}, the keys of model.state_dict() (tied weights under every name).
 
         `params` replaces the active weights by other shards in the active layout (e.g. fp32 masters).
@@ -361,7 +399,10 @@ class CompiledModel:
     def full_grads(self) -> dict[str, torch.Tensor]:
         """{name: full gradient}, the keys of model.named_parameters(); zeros before any backward."""
         if self._grads is None:
-            return {n: torch.zeros(self.logic.param_shapes[n], dtype=self.logic.param_dtypes[n]) for n in self.logic.param_names}
+            return {
+                n: torch.zeros(self.logic.param_shapes[n], dtype=self.logic.param_dtypes[n])
+                for n in self.logic.param_names
+            }
         return self._full(self._grads)
 
     def compile_seconds(self, name: str) -> float:
@@ -376,16 +417,14 @@ class CompiledModel:
         return self._states[name]
 
     def _make_state(self, config: DistConfig) -> ConfigState:
-        names, shape = _mesh_axes(config)
-        devices = torch.tensor(config.devices or range(config.world_size))
-        axis = {a: i for i, a in enumerate(names)}
-        specs = {n: self._param_placement(n, config, axis, len(names)) for n in self.logic.param_names}
+        axis = {a: i for i, a in enumerate(config.stage_axes)}
+        specs = param_placements(self.roles, self.logic.param_names, config.tp, axis.get("tp"), len(axis), config.name)
         if config.pp == 1:
-            return ConfigState(config, DeviceMesh("cpu", devices.reshape(shape), mesh_dim_names=tuple(names)), axis, specs)
+            return ConfigState(config, config.device_mesh("cpu"), axis, specs)
         # pp > 1: a (pp, dp, tp) mesh; stage s runs on its (dp, tp) slice, where parameters are placed
         self._split(config.pp)  # cut the model now: a model that cannot be cut fails at compile time
-        full = DeviceMesh("cpu", devices.reshape([config.pp] + shape), mesh_dim_names=("pp", *names))
-        mesh = full[names[0]] if len(names) == 1 else full[tuple(names)]
+        full = config.device_mesh("cpu")
+        mesh = full[config.stage_axes[0]] if len(config.stage_axes) == 1 else full[config.stage_axes]
         st = ConfigState(config, mesh, axis, specs, full_mesh=full, stage=int(full.get_coordinate()[0]))
         # parameters shared by stages (a tied embedding): the copies' gradients are summed over the
         # ranks at the same (dp, tp) coordinate of those stages. Every rank creates every group.
@@ -402,9 +441,11 @@ class CompiledModel:
         """The LogicGraph cut into `pp` pipeline stages (pure and deterministic: the same on every rank)."""
         if pp not in self._splits:
             if not self.logic.split_loss:
-                raise ValueError(f"pp={pp}: pipeline stages weight micro-batches by their token counts, so the model must "
-                                 "return its loss as a sum divided by a count (e.g. F.cross_entropy(..., "
-                                 "reduction='mean') or loss_sum / num_tokens); use pp=1 for this model")
+                raise ValueError(
+                    f"pp={pp}: pipeline stages weight micro-batches by their token counts, so the model must "
+                    "return its loss as a sum divided by a count (e.g. F.cross_entropy(..., "
+                    "reduction='mean') or loss_sum / num_tokens); use pp=1 for this model"
+                )
             self._splits[pp] = split_stages(self.logic, pp)
         return self._splits[pp]
 
@@ -414,28 +455,11 @@ class CompiledModel:
             return list(self.logic.param_names)
         return list(self._splits[st.config.pp].stages[st.stage].param_names)
 
-    def _param_placement(self, name: str, config: DistConfig, axis: dict[str, int], ndim: int) -> tuple:
-        placements = [dt.Replicate()] * ndim
-        tp = config.tp
-        dim = self.roles.placement_dim(name)
-        if tp > 1 and dim is not None:
-            heads = self.roles.heads.get(name)
-            if heads is not None and heads % tp:
-                siblings = [n for n in self.logic.param_names if n != name and n.rsplit(".", 2)[0] == name.rsplit(".", 2)[0]
-                            and self.roles.heads.get(n, 0) > heads and self.roles.heads[n] % tp == 0]
-                if not siblings:
-                    ok = [d for d in range(1, heads + 1) if heads % d == 0]
-                    raise ValueError(f"config {config.name!r}: tp={tp} does not divide the {heads} attention heads of "
-                                     f"{name}; choose tp from {ok} (a tensor-parallel rank must hold whole heads)")
-                return tuple(placements)  # GQA with tp > kv heads: kv projections replicated, as Megatron does
-            placements[axis["tp"]] = dt.Shard(dim)
-        return tuple(placements)
-
     def _moving_kinds(self) -> tuple[str, ...]:
-        return (("grad",) if self._grads is not None else ()) + tuple(sorted(self._param_states))
+        return ((StateKind.GRAD,) if self._grads is not None else ()) + tuple(sorted(self._param_states))
 
     def _kind(self, kind: str) -> dict[str, torch.Tensor]:
-        return self._grads if kind == "grad" else self._param_states[kind]
+        return self._grads if kind == StateKind.GRAD else self._param_states[kind]
 
     def _itemsize(self, name: str) -> int:
         """Bytes per element of a switched tensor ('param' or 'kind:param')."""
@@ -444,12 +468,12 @@ class CompiledModel:
     def _dtype(self, name: str) -> torch.dtype:
         """The dtype of a switched tensor ('param' or 'kind:param'), the same on every rank (also on
         ranks that hold no piece of it under pp > 1: planning must agree everywhere)."""
-        kind, _, param = name.rpartition(":")
-        if kind and kind != "grad" and kind in self._param_states:
+        kind, param = split_key(name)
+        if kind and kind != StateKind.GRAD and kind in self._param_states:
             if param in self._state_dtypes.get(kind, {}):
                 return self._state_dtypes[kind][param]
             return self._param_states[kind][param].dtype
-        if kind == "grad" and self._grads is not None:
+        if kind == StateKind.GRAD and self._grads is not None:
             if param in self._grads:
                 return self._grads[param].dtype
             return self.grad_dtype or self.logic.param_dtypes[param]
@@ -472,11 +496,13 @@ class CompiledModel:
                 st.layouts[n] = Layout(tuple(self.logic.param_shapes[n]), mesh, placements)
         if st.layouts is None:
             mesh = Mesh(st.mesh.mesh.tolist(), tuple(st.mesh.mesh_dim_names))
-            st.layouts = {n: Layout(tuple(self.logic.param_shapes[n]), mesh, tuple(from_torch(p) for p in st.param_specs[n]))
-                          for n in self.logic.param_names}
+            st.layouts = {
+                n: Layout(tuple(self.logic.param_shapes[n]), mesh, tuple(from_torch(p) for p in st.param_specs[n]))
+                for n in self.logic.param_names
+            }
         out = dict(st.layouts)
         for kind in kinds:
-            out.update({f"{kind}:{n}": layout for n, layout in st.layouts.items()})
+            out.update({state_key(kind, n): layout for n, layout in st.layouts.items()})
         return out
 
     def _coordinate(self, st: ConfigState, axis_name: str) -> int:
@@ -502,59 +528,15 @@ class CompiledModel:
         mine = st.mesh.get_coordinate()
         return all(c == m for i, (c, m) in enumerate(zip(coords, mine)) if i != st.axis.get(axis_name))
 
-    def _placeholder_specs(self, st: ConfigState, shapes: tuple, with_inputs_meta) -> list:
-        mesh, ndim = st.mesh, st.mesh.ndim
-        specs = []
-        for n in self.logic.param_names:
-            meta = torch.empty(self.logic.param_shapes[n], dtype=self.logic.param_dtypes[n], device="meta")
-            specs.append(dt.make_spec(mesh, st.param_specs[n], meta))
-        for b in self._buffers:
-            specs.append(dt.make_spec(mesh, (dt.Replicate(),) * ndim, b.to("meta")))
-        for x, shape in zip(with_inputs_meta, shapes):
-            placements = [dt.Replicate()] * ndim
-            if "dp" in st.axis and st.config.dp > 1:
-                placements[st.axis["dp"]] = dt.Shard(0)
-            specs.append(dt.make_spec(mesh, placements, torch.empty(shape, dtype=x.dtype, device="meta")))
-        return specs
-
-    def _virtual_shapes(self, st: ConfigState, shapes: tuple) -> tuple:
-        """Global input shapes as this rank propagates them: its local batch times dp.
-
-        Batches split with tensor_split can be uneven, which DTensor's chunk semantics cannot
-        express through a flatten. Data parallelism moves no activation across the dp axis (only
-        sums of losses and gradients), so each rank may pretend the others hold as many rows as it
-        does: its own graph is then exact, and so are the reductions.
-        """
-        dp = st.config.dp
-        if dp == 1:
-            return shapes
-        batch = shapes[0][0]
-        local = _split_size(batch, dp, self._coordinate(st, "dp"))
-        if batch % dp and not self.logic.split_loss:
-            raise ValueError(f"a global batch of {batch} does not split evenly over dp={dp}, and the model's loss is not "
-                             "a sum divided by a count, so an uneven split cannot be weighted exactly: use a batch "
-                             f"divisible by {dp}, or return loss_sum / num_tokens")
-        return tuple((local * dp, *s[1:]) for s in shapes)
-
-    def _lower(self, st: ConfigState, graph: fx.Graph, shapes: tuple, with_grads: bool) -> fx.GraphModule:
-        t0 = time.perf_counter()
-        specs = self._placeholder_specs(st, self._virtual_shapes(st, shapes), self._example_inputs)
-        pinned = param_views(graph, len(self.logic.param_names))
-        sharding = propagate_graph(graph, st.mesh, specs, sp_axis=st.axis.get("tp") if st.config.sp else None,
-                                   seq_symbol=seq_symbol(graph, self.logic.num_inputs), pinned_nodes=pinned, strict=self.strict)
-        plan = OutputPlan(split_loss=self.logic.split_loss, num_losses=2 if self.logic.split_loss else 1,
-                          param_specs=tuple(specs[: len(self.logic.param_names)]) if with_grads else ())
-        local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype) for s in specs]
-        gm = lower(graph, sharding, local, plan, st.mesh)
-        gm.meta["hotswitch"] = {"config": st.config.name, "shapes": shapes, "sharding": sharding}
-        st.compile_seconds[(shapes, with_grads)] = time.perf_counter() - t0
-        return gm
-
-    def _train_graph(self, st: ConfigState, shapes: tuple) -> fx.GraphModule:
-        if shapes not in st.train_graphs:
-            st.train_graphs[shapes] = self._lower(st, self.logic.joint.graph, shapes, with_grads=True)
-        st.last_shapes = shapes
-        return st.train_graphs[shapes]
+    def _check_split(self, st: ConfigState, shapes: tuple) -> None:
+        """An uneven data-parallel split is exact only for a loss written as sum / count."""
+        batch, dp = shapes[0][0], st.config.dp
+        if dp > 1 and batch % dp and not self.logic.split_loss:
+            raise ValueError(
+                f"a global batch of {batch} does not split evenly over dp={dp}, and the model's loss is not "
+                "a sum divided by a count, so an uneven split cannot be weighted exactly: use a batch "
+                f"divisible by {dp}, or return loss_sum / num_tokens"
+            )
 
     def _local_params(self) -> list[torch.Tensor]:
         return [self._local[n] for n in self.logic.param_names]
@@ -574,15 +556,11 @@ class CompiledModel:
             return self._gather(local)
         out = {}
         for n in self.logic.param_names:
-            placements = st.param_specs[n]
-            if all(p.is_replicate() for p in placements):
+            if all(p.is_replicate() for p in st.param_specs[n]):
                 out[n] = local[n].clone()
-                continue
-            shape = self.logic.param_shapes[n]
-            stride = torch.empty(shape, device="meta").stride()
-            out[n] = DTensor.from_local(local[n], st.mesh, placements, run_check=False, shape=shape, stride=stride).full_tensor()
+            else:
+                out[n] = dt.from_local(local[n], st.mesh, st.param_specs[n], self.logic.param_shapes[n]).full_tensor()
         return out
-
 
     # ------------------------------------------------------------------ pipeline parallelism, micro-batches
     def _gather(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -597,9 +575,15 @@ class CompiledModel:
         everyone = Mesh(list(range(self.world_size)), ("world",))
         dst = {n: Layout(tuple(self.logic.param_shapes[n]), everyone, (Replicate(),)) for n in self.logic.param_names}
         key = tuple(sorted((n, d.itemsize) for n, d in dtypes.items()))
-        plan = self._plans.get((self._active, "pieces"), ("everyone", key), lambda: [
-            TensorMove(n, tuple(self.logic.param_shapes[n]), dtypes[n].itemsize, src[n], dst[n]) for n in self.logic.param_names],
-            self.topology)
+        plan = self._plans.get(
+            (self._active, "pieces"),
+            ("everyone", key),
+            lambda: [
+                TensorMove(n, tuple(self.logic.param_shapes[n]), dtypes[n].itemsize, src[n], dst[n])
+                for n in self.logic.param_names
+            ],
+            self.topology,
+        )
         new, _, _ = execute_plan(plan, local, src, dst, self.rank, dtypes=dtypes)
         return {n: t.clone() if t is local.get(n) else t for n, t in new.items()}
 
@@ -608,14 +592,18 @@ class CompiledModel:
         dp, index = st.config.dp, self._coordinate(st, "dp")
         return tuple((_split_size(s[0], dp, index), *s[1:]) for s in shapes)
 
-    def _stage_program(self, st: ConfigState, local_shapes: tuple, train: bool):
-        key = (tuple(tuple(s) for s in local_shapes), train)
+    def _program(self, st: ConfigState, local_shapes: tuple, *, train: bool, reduce: bool) -> StageProgram:
+        """This rank's lowered programs for local (micro-)batches of `local_shapes`, lowered on first
+        use and cached: the whole model with the DP reduction inside (`reduce`, pp = 1) or this rank's
+        stage with the reduction deferred (micro-batches, pp > 1). See hotswitch.compiler.program."""
+        key = (tuple(tuple(s) for s in local_shapes), train, reduce)
         if key not in st.programs:
             stage = self._split(st.config.pp).stages[st.stage] if st.full_mesh is not None else None
-            program = lower_stage(self.logic, stage, st, self._buffers, key[0], [x.dtype for x in self._example_inputs],
-                                  train=train, strict=self.strict)
+            program = lower_program(self.logic, stage, st.where, self._buffers, key[0],
+                                    [x.dtype for x in self._example_inputs], train=train, reduce=reduce,
+                                    strict=self.strict, memo=self._propagation_memo)
             st.programs[key] = program
-            st.compile_seconds[("stage",) + key] = program.seconds
+            st.compile_seconds[key] = program.seconds
         return st.programs[key]
 
     def _pipelined(self, st: ConfigState, local_inputs, micro_batches, schedule, grad_scale: float, train: bool):
@@ -639,9 +627,12 @@ class CompiledModel:
                              "sum divided by a count (e.g. a mean cross-entropy); call with micro_batches=1")
         pp = st.config.pp
         micro = list(zip(*(x.tensor_split(k, dim=0) for x in local_inputs)))
-        programs = [self._stage_program(st, tuple(tuple(x.shape) for x in mb), train) for mb in micro]
-        assert all(p.deferred_specs[i].placements == programs[0].deferred_specs[i].placements
-                   for p in programs for i in range(len(p.deferred_specs))), "micro-batch shapes changed a gradient's layout"
+        programs = [self._program(st, tuple(tuple(x.shape) for x in mb), train=train, reduce=False) for mb in micro]
+        assert all(
+            p.deferred_specs[i].placements == programs[0].deferred_specs[i].placements
+            for p in programs
+            for i in range(len(p.deferred_specs))
+        ), "micro-batch shapes changed a gradient's layout"
         held = self._held(st)
         prev_rank = next_rank = None
         if st.full_mesh is not None:

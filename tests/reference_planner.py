@@ -26,10 +26,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from distconfig import Topology
-from distconfig.layout import Box
-
-from .planner import ALGORITHMS, TensorMove, Transfer
+from hotswitch.distconfig import Topology
+from hotswitch.distconfig.layout import Box
+from hotswitch.switch.planner import ALGORITHMS, TensorMove, Transfer
 
 __all__ = ["ReferencePlan", "plan_switch"]
 

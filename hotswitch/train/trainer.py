@@ -20,20 +20,20 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from compiler.memory import estimate_peak_bytes
-from distconfig import DistConfig, Topology
-
-from . import data as D
-from .api import CompiledModel
-from .api import compile as hs_compile
-from .cost_model import BucketDemand, CostModel, Probe
-from .models import PackedCausalLMLoss
+from hotswitch.compiler.memory import estimate_peak_bytes
+from hotswitch.distconfig import DistConfig, Topology
+from hotswitch.models import PackedCausalLMLoss
+from hotswitch.runtime.compiled_model import CompiledModel
+from hotswitch.runtime.compiled_model import compile as hs_compile
+from hotswitch.switch.state import JOB_STATE, StateKind, state_key
+from hotswitch.train import data as D
+from hotswitch.train.cost_model import BucketDemand, CostModel, Probe
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,10 @@ class StepReport:
     def line(self) -> str:
         """One log line: loss, throughput, switching, config per bucket."""
         buckets = " ".join(f"({b.lengths[0]},{b.lengths[1]}]:{b.config}x{b.micro_batches}" for b in self.buckets)
-        return (f"step {self.step} loss {self.loss:.4f} tokens {self.tokens} {self.tokens_per_second:,.0f} tok/s "
-                f"step {self.seconds:.3f}s switch {self.switch_seconds:.3f}s ({100 * self.switch_share:.1f}%) {buckets}")
+        return (
+            f"step {self.step} loss {self.loss:.4f} tokens {self.tokens} {self.tokens_per_second:,.0f} tok/s "
+            f"step {self.seconds:.3f}s switch {self.switch_seconds:.3f}s ({100 * self.switch_share:.1f}%) {buckets}"
+        )
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,10 @@ class Trainer:
         if buckets is not None:
             self._boundaries = tuple(sorted({int(b) for b in buckets}))
             if bucket_configs is not None and len(bucket_configs) != len(self._boundaries):
-                raise ValueError(f"bucket_configs names {len(bucket_configs)} configs for {len(self._boundaries)} buckets "
-                                 f"{self._boundaries}: give one config per bucket")
+                raise ValueError(
+                    f"bucket_configs names {len(bucket_configs)} configs for {len(self._boundaries)} buckets "
+                    f"{self._boundaries}: give one config per bucket"
+                )
         elif bucket_configs is not None:
             raise ValueError("bucket_configs needs explicit `buckets` (one config per bucket bound)")
         for name in bucket_configs or ():
@@ -185,7 +189,7 @@ class Trainer:
         self.vocab_size = _vocab_size(model)
         self.loss_module = PackedCausalLMLoss(model)
         self.pack = self.loss_module.can_pack
-        example = _example_inputs(2, self.length_multiple)
+        example = D.full_length_micro_batch(2, self.length_multiple)
         self._report("tracing the model")
         self.cm: CompiledModel = hs_compile(self.loss_module, example, self.configs, lazy=True, topology=topology,
                                             strict=strict, logic=logic)
@@ -222,14 +226,16 @@ class Trainer:
             raise ValueError("the global batch has no next-token targets (every sequence has one token)")
 
         for k, bucket in enumerate(buckets):  # compile first use of a shape outside the timed step
-            config = self._config(chosen[k])
+            config = self.config(chosen[k])
             rows = self.rows_per_micro_batch(config, bucket.high)
             self.cm.exec_graph(config.name, ((rows, bucket.high),) * 3)
         compile_seconds = self._compile_seconds() - compile_before
         self._phase("compiled")
 
         t_step = time.perf_counter()
-        order = self.cm.plan_order(sorted(set(chosen) | {self.base}, key=[c.name for c in self.configs].index), base=self.base)
+        order = self.cm.plan_order(
+            sorted(set(chosen) | {self.base}, key=[c.name for c in self.configs].index), base=self.base
+        )
         visits = list(order.order[1:]) + [self.base]
         loss = 0.0
         bucket_seconds = [0.0] * len(buckets)
@@ -244,7 +250,7 @@ class Trainer:
                 if chosen[k] != config:
                     continue
                 t0 = time.perf_counter()
-                rows = self.rows_per_micro_batch(self._config(config), bucket.high)
+                rows = self.rows_per_micro_batch(self.config(config), bucket.high)
                 bucket_micro[k] = math.ceil(len(bucket.rows) / rows)
                 for mb, weight in D.weighted_micro_batches(sequences, bucket, rows, total_targets):
                     local = self.cm.shard_inputs(*mb.inputs)
@@ -259,19 +265,38 @@ class Trainer:
         self.step_count += 1
 
         # one agreement so every rank reports the same numbers: slowest rank's times, all ranks' bytes
-        times = torch.tensor([seconds, optimizer_seconds, *bucket_seconds, *(s[3] for s in switches)], dtype=torch.float64)
+        times = torch.tensor(
+            [seconds, optimizer_seconds, *bucket_seconds, *(s[3] for s in switches)], dtype=torch.float64
+        )
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         sent = torch.tensor([s[2] for s in switches] or [0], dtype=torch.float64)
         dist.all_reduce(sent)
         times = times.tolist()
         nb = len(buckets)
         return StepReport(
-            step=self.step_count, loss=loss, tokens=sum(lengths), target_tokens=total_targets,
-            seconds=times[0], optimizer_seconds=times[1],
-            buckets=tuple(BucketReport((b.low, b.high), chosen[k], len(b.sequences), bucket_micro[k],
-                                       sum(lengths[i] for i in b.sequences), times[2 + k]) for k, b in enumerate(buckets)),
-            switches=tuple(SwitchReport(s[0], s[1], int(sent[i]), times[2 + nb + i], s[4]) for i, s in enumerate(switches)),
-            profile_seconds=profile_seconds, compile_seconds=compile_seconds)
+            step=self.step_count,
+            loss=loss,
+            tokens=sum(lengths),
+            target_tokens=total_targets,
+            seconds=times[0],
+            optimizer_seconds=times[1],
+            buckets=tuple(
+                BucketReport(
+                    (b.low, b.high),
+                    chosen[k],
+                    len(b.sequences),
+                    bucket_micro[k],
+                    sum(lengths[i] for i in b.sequences),
+                    times[2 + k],
+                )
+                for k, b in enumerate(buckets)
+            ),
+            switches=tuple(
+                SwitchReport(s[0], s[1], int(sent[i]), times[2 + nb + i], s[4]) for i, s in enumerate(switches)
+            ),
+            profile_seconds=profile_seconds,
+            compile_seconds=compile_seconds,
+        )
 
     def _check_same_batch(self, sequences: list[torch.Tensor]) -> None:
         """Every rank must step on the same global batch: compare digests (one small all-gather)
@@ -312,39 +337,41 @@ class Trainer:
     def job_state(self) -> dict[str, torch.Tensor]:
         """This rank's shards, in the base layout, of everything the next step depends on: the fp32
         masters ("param:NAME") and AdamW's moments ("exp_avg:NAME", "exp_avg_sq:NAME"; zeros before
-        the first step). With `step_count` this is the whole training state between steps (gradient
-        accumulators are empty then). The tensors are the live ones: copy before mutating."""
+        the first step); keys from `hotswitch.switch.state`. With `step_count` this is the whole
+        training state between steps (gradient accumulators are empty then). The tensors are the
+        live ones: copy before mutating."""
         self._require_unsharded_optimizer("job_state")
         out = {}
         for n in self._names:
             p = self._masters[n]
             st = self.optimizer.state.get(p, {})
-            out[f"param:{n}"] = p.detach()
-            out[f"exp_avg:{n}"] = st["exp_avg"] if "exp_avg" in st else torch.zeros_like(p)
-            out[f"exp_avg_sq:{n}"] = st["exp_avg_sq"] if "exp_avg_sq" in st else torch.zeros_like(p)
+            out[state_key(StateKind.PARAM, n)] = p.detach()
+            for kind in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ):
+                out[state_key(kind, n)] = st[kind.value] if kind.value in st else torch.zeros_like(p)
         return out
 
     def load_job_state(self, state: dict[str, torch.Tensor], step: int) -> None:
         """Install `job_state()`-shaped shards (this rank's, base layout) and the step counter: the
         inverse of `job_state`, bit for bit."""
         self._require_unsharded_optimizer("load_job_state")
-        expected = {f"{k}:{n}" for n in self._names for k in ("param", "exp_avg", "exp_avg_sq")}
+        expected = {state_key(k, n) for n in self._names for k in JOB_STATE}
         if set(state) != expected:
             raise ValueError(f"load_job_state: missing {sorted(expected - set(state))[:3]}, unexpected "
                              f"{sorted(set(state) - expected)[:3]}")
         for n in self._names:
             p = self._masters[n]
-            for kind in ("param", "exp_avg", "exp_avg_sq"):
-                if tuple(state[f"{kind}:{n}"].shape) != tuple(p.shape):
-                    raise ValueError(f"load_job_state: {kind}:{n} has shape {tuple(state[f'{kind}:{n}'].shape)}, this "
-                                     f"rank's shard under {self.base!r} has {tuple(p.shape)}")
+            for kind in JOB_STATE:
+                if tuple(state[state_key(kind, n)].shape) != tuple(p.shape):
+                    raise ValueError(f"load_job_state: {state_key(kind, n)} has shape "
+                                     f"{tuple(state[state_key(kind, n)].shape)}, this rank's shard under {self.base!r} "
+                                     f"has {tuple(p.shape)}")
             with torch.no_grad():
-                p.copy_(state[f"param:{n}"])
+                p.copy_(state[state_key(StateKind.PARAM, n)])
             self.optimizer.state.pop(p, None)
             if step > 0:  # torch's AdamW state: the step as a float32 scalar tensor, the two moments
                 self.optimizer.state[p] = {"step": torch.tensor(float(step), dtype=torch.float32),
-                                           "exp_avg": state[f"exp_avg:{n}"].clone(),
-                                           "exp_avg_sq": state[f"exp_avg_sq:{n}"].clone()}
+                                           **{k.value: state[state_key(k, n)].clone()
+                                              for k in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)}}
         self.cm.zero_grad()
         self.cm.set_local_params({n: t if t.dtype == self.compute_dtype else t.to(self.compute_dtype)
                                   for n, t in self._master_shards().items()})
@@ -355,9 +382,9 @@ class Trainer:
         assert self.cm.active == self.base
         local = self.job_state()
         out = {}
-        for kind in ("param", "exp_avg", "exp_avg_sq"):
-            full = self.cm.full_state_dict(canonical=True, params={n: local[f"{kind}:{n}"] for n in self._names})
-            out.update({f"{kind}:{n}": t for n, t in full.items()})
+        for kind in JOB_STATE:
+            full = self.cm.full_state_dict(canonical=True, params={n: local[state_key(kind, n)] for n in self._names})
+            out.update({state_key(kind, n): t for n, t in full.items()})
         return out
 
     def _require_unsharded_optimizer(self, what: str) -> None:
@@ -394,7 +421,7 @@ class Trainer:
 
     def _probe(self, config: DistConfig, length: int) -> Probe:
         rows = self.rows_per_micro_batch(config, length)
-        inputs = _example_inputs(rows, length, seed=length)
+        inputs = D.full_length_micro_batch(rows, length, seed=length)
         gm = self.cm.exec_graph(config.name, tuple(tuple(x.shape) for x in inputs))
         state = self.state_bytes(config.name)
         need = torch.tensor([state + estimate_peak_bytes(gm)], dtype=torch.float64)
@@ -420,7 +447,7 @@ class Trainer:
         """Resident bytes per rank under config `name` (the largest over ranks): compute weights and
         fp32 gradient accumulators; in the base also fp32 masters (unless they are the weights) and
         AdamW's two moments (divided over dp ranks with ZeRO-1)."""
-        config = self._config(name)
+        config = self.config(name)
         itemsize = self.compute_dtype.itemsize
         per_device = [0] * dist.get_world_size()
         for layout in self.cm.layouts(name).values():
@@ -434,8 +461,12 @@ class Trainer:
         return max(per_device)
 
     # ------------------------------------------------------------------------------------ internals
-    def _config(self, name: str) -> DistConfig:
-        return next(c for c in self.configs if c.name == name)
+    def config(self, name: str) -> DistConfig:
+        """The DistConfig called `name` among this Trainer's configs."""
+        for c in self.configs:
+            if c.name == name:
+                return c
+        raise ValueError(f"unknown config {name!r}; this Trainer's configs are {[c.name for c in self.configs]}")
 
     def _compile_seconds(self) -> float:
         return sum(self.cm.compile_seconds(c.name) for c in self.configs)
@@ -481,7 +512,7 @@ class Trainer:
         masters = self.cm.shard_like_params(full_fp32)
         self._names = list(names)
         self._shapes = {n: local[n].shape for n in names}
-        base = self._config(self.base)
+        base = self.config(self.base)
         self._dp_group = self.cm.process_group(self.base, "dp") if self.zero1 and base.dp > 1 else None
         if self._dp_group is not None:
             flat = torch.cat([masters[n].reshape(-1) for n in names])
@@ -533,14 +564,7 @@ class Trainer:
 
 def _vocab_size(model: nn.Module) -> int | None:
     getter = getattr(model, "get_input_embeddings", None)
-    embedding = getter() if callable(getter) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    embedding = (
+        getter() if callable(getter) else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    )
     return getattr(embedding, "num_embeddings", None)
-
-
-def _example_inputs(rows: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A micro-batch of full-length sequences (every token but the last is a target)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, 8, (rows, length), generator=g)
-    pos = torch.arange(length).repeat(rows, 1)
-    labels = torch.cat([ids[:, 1:], torch.full((rows, 1), D.IGNORE)], dim=1)
-    return ids, pos, labels

@@ -18,10 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distconfig import Layout
-from kernels import pack, unpack
-
-from .planner import SwitchPlan, Transfer
+from hotswitch.distconfig import Layout
+from hotswitch.kernels import pack, unpack
+from hotswitch.switch.planner import SwitchPlan, Transfer
 
 
 class SwitchAborted(RuntimeError):
@@ -88,7 +87,12 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
         for name, layout in dst.items():
             if not layout.mesh.contains(rank):
                 continue
-            if name in old and name not in written and src[name].mesh.contains(rank) and src[name].box(rank) == layout.box(rank):
+            if (
+                name in old
+                and name not in written
+                and src[name].mesh.contains(rank)
+                and src[name].box(rank) == layout.box(rank)
+            ):
                 new[name] = old[name]  # same piece, nothing arrives: share it (the old state is never written)
             else:
                 dtype = old[name].dtype if name in old else (dtypes or {}).get(name, torch.float32)

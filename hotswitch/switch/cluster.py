@@ -26,13 +26,12 @@ Parameter counts (`ModelSpec.num_params`): 1.32B, 2.65B, 6.66B, 12.85B, 174.6B, 
   fc2, down) `Shard(1)`, token embedding and LM head vocab-parallel `Shard(0)`, norms, row-parallel
   biases and learned positions replicated. Megatron stores the fused QKV interleaved per head, so
   `Shard(0)` gives every rank its own heads' q, k and v.
-- Grouped-query attention with tp > number of kv heads (LLaMA-2 70B at tp 16): rank r holds kv head
-  group r // (tp / n_kv) (what vLLM does: every rank keeps exactly the kv heads its query heads
-  use). As a Layout: the stage's devices on a (dp, kv, rep) mesh, placements
-  `[Replicate(), Shard(0), Replicate()]`. This is less than full replication, so the planner moves
-  only what each rank actually keeps.
+- Grouped-query attention with tp > number of kv heads (LLaMA-2 70B at tp 16): the k/v projections
+  are replicated over tp, the rule the compiler builds (`hotswitch.compiler.tp_rules.heads_sharded`,
+  shared), so a plan prices the layout a compiled model really has.
 - SP shards activations only: it does not change a parameter's layout.
-- PP: `split_stages` cuts the layers into `pp` contiguous stages balanced by parameter count, the
+- PP: `split_stages` cuts the layers into `pp` contiguous stages balanced by parameter count
+  (`hotswitch.distconfig.balanced_split`, the compiler's split too), the
   embedding (and learned positions) counted in the first stage and the final norm and LM head in the
   last. Stage s runs on `config.ranks()[s*dp*tp : (s+1)*dp*tp]` (devices [s*dp*tp, (s+1)*dp*tp) by
   default) as a (dp, tp) mesh, tp innermost: the layout of `DistConfig.mesh()`. A tied embedding
@@ -65,8 +64,10 @@ from functools import lru_cache
 
 import numpy as np
 
-from distconfig import DistConfig, Layout, Mesh, Replicate, Shard
-from distconfig.placement import Placement
+from hotswitch.compiler.tp_rules import heads_sharded
+from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Shard, balanced_split
+from hotswitch.distconfig.placement import Placement
+from hotswitch.switch.state import StateKind
 
 __all__ = [
     "MODELS",
@@ -159,7 +160,7 @@ MODELS["gpt3-xl"] = MODELS["gpt3-1.3b"]  # the paper's name for 1.3B (Tenplex's 
 #   final_norm   replicated; last stage
 #   norm         replicated (LayerNorm / RMSNorm weight and bias)
 #   column       Shard(0): column-parallel weight [out, in] or its bias
-#   kv_column    column-parallel k/v projection, grouped by kv head when tp > n_kv_heads
+#   kv_column    column-parallel k/v projection; replicated when tp > n_kv_heads (heads_sharded)
 #   row          Shard(1): row-parallel weight [out, in]
 #   row_bias     replicated: the bias added after the row-parallel all-reduce
 ROLES = ("embedding", "position", "head", "final_norm", "norm", "column", "kv_column", "row", "row_bias")
@@ -284,43 +285,14 @@ def split_stages(model: str | ModelConfig | ModelSpec, pp: int) -> tuple[tuple[i
 
 @lru_cache(maxsize=256)
 def _split(spec: ModelSpec, pp: int) -> tuple[tuple[int, int], ...]:
-    n = spec.n_layers
     if pp == 1:
-        return ((0, n),)
+        return ((0, spec.n_layers),)
     cost = spec.layer_params().astype(np.float64)
-    first = sum(p.numel for p in spec.params if p.role in _FIRST)
-    last = sum(p.numel for p in spec.params if p.role in _LAST)
+    cost[0] += sum(p.numel for p in spec.params if p.role in _FIRST)
+    cost[-1] += sum(p.numel for p in spec.params if p.role in _LAST)
     if spec.config.tied_embeddings:
-        last += sum(p.numel for p in spec.params if p.role == "embedding")
-    cost[0] += first
-    cost[-1] += last
-    cost /= cost.mean()  # keep squares well inside float64's exact range
-    prefix = np.concatenate([[0.0], np.cumsum(cost)])
-    span = prefix[None, :] - prefix[:, None]  # span[i, j]: a stage of blocks [i, j)
-    valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
-    # 1) the smallest possible largest stage
-    best = np.full(n + 1, np.inf)
-    best[0] = 0.0
-    for _ in range(pp):
-        m = np.where(valid, np.maximum(best[:, None], span), np.inf)
-        best = m.min(axis=0)
-    allowed = valid & (span <= best[n] * (1 + 1e-9))
-    # 2) among splits within it, the least sum of squares; remember each stage's start
-    score = np.full(n + 1, np.inf)
-    score[0] = 0.0
-    starts = []
-    for _ in range(pp):
-        m = np.where(allowed, score[:, None] + span**2, np.inf)
-        starts.append(m.argmin(axis=0))
-        score = m.min(axis=0)
-    assert np.isfinite(score[n]), "no split within the optimal bottleneck"
-    bounds, stop = [], n
-    for k in range(pp - 1, -1, -1):
-        start = int(starts[k][stop])
-        bounds.append((start, stop))
-        stop = start
-    assert stop == 0 and all(a < b for a, b in bounds)
-    return tuple(reversed(bounds))
+        cost[-1] += sum(p.numel for p in spec.params if p.role == "embedding")
+    return balanced_split(cost, pp)
 
 
 # ---------------------------------------------------------------- layouts
@@ -368,10 +340,8 @@ def _layouts(spec: ModelSpec, config: DistConfig) -> tuple[tuple[str, Layout], .
     stages = _split(spec, pp)
     stage_of_layer = np.repeat(np.arange(pp), [b - a for a, b in stages])
     meshes = [Mesh.from_shape((dp, tp), ("dp", "tp"), ranks[s].tolist()) for s in range(pp)]
-    kv_split = tp > c.kv_heads
-    if kv_split:  # rank r of a tp group keeps kv head group r // (tp / kv_heads)
-        kv_meshes = [Mesh.from_shape((dp, c.kv_heads, tp // c.kv_heads), ("dp", "kv", "rep"), ranks[s].tolist())
-                     for s in range(pp)]
+    # the compiler's rule: GQA with tp above the kv heads replicates the kv projections
+    kv_sharded = heads_sharded(c.kv_heads, tp, (c.n_heads,), what=f"{spec.name}'s k/v projections", config=config.name)
     if c.tied_embeddings and pp > 1:
         tied = Mesh.from_shape((2, dp, tp), ("tied", "dp", "tp"), np.concatenate([ranks[0], ranks[-1]]).tolist())
     placements: dict[str, tuple[Placement, ...]] = {
@@ -387,8 +357,8 @@ def _layouts(spec: ModelSpec, config: DistConfig) -> tuple[tuple[str, Layout], .
         else:
             stage = 0 if p.role in _FIRST else pp - 1
         mesh, place = meshes[stage], placements[p.role]
-        if p.role == "kv_column" and kv_split:
-            mesh, place = kv_meshes[stage], (Replicate(), Shard(0), Replicate())
+        if p.role == "kv_column" and not kv_sharded:
+            place = (Replicate(), Replicate())
         elif p.role == "embedding" and c.tied_embeddings and pp > 1:
             mesh, place = tied, (Replicate(), Replicate(), Shard(0))
         out.append((p.name, Layout(p.shape, mesh, place)))
@@ -405,7 +375,7 @@ def stage_devices(config: DistConfig) -> tuple[tuple[int, ...], ...]:
 # ---------------------------------------------------------------- switch moves
 
 # bytes per element of each state kind that `switch_moves` can include (weights: `dtype_bytes`)
-STATE_BYTES = {"grad": 4, "master": 4, "exp_avg": 4, "exp_avg_sq": 4}
+STATE_BYTES = {StateKind.GRAD: 4, StateKind.MASTER: 4, StateKind.EXP_AVG: 4, StateKind.EXP_AVG_SQ: 4}
 
 
 def switch_moves(
@@ -423,7 +393,7 @@ def switch_moves(
     master weights and Adam moments (`with_optimizer`), each state with its parameter's layout. For
     a switch that changes the device set (elastic), give a config its `devices`.
     """
-    from hotswitch.planner import TensorMove  # the planner imports torch; only needed here
+    from hotswitch.switch.planner import TensorMove  # the planner imports torch; only needed here
 
     spec = describe_model(model)
     if not isinstance(dtype_bytes, numbers.Integral) or isinstance(dtype_bytes, bool) or dtype_bytes < 1:
@@ -432,8 +402,8 @@ def switch_moves(
     dst = layouts(spec, dst_config, num_devices)
     kinds = [("", int(dtype_bytes))]
     if with_grads:
-        kinds.append((".grad", STATE_BYTES["grad"]))
+        kinds.append((".grad", STATE_BYTES[StateKind.GRAD]))
     if with_optimizer:
-        kinds += [(f".{k}", STATE_BYTES[k]) for k in ("master", "exp_avg", "exp_avg_sq")]
+        kinds += [(f".{k}", STATE_BYTES[k]) for k in (StateKind.MASTER, StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)]
     return [TensorMove(p.name + suffix, p.shape, itemsize, src[p.name], dst[p.name])
             for suffix, itemsize in kinds for p in spec.params]

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import multiprocessing.util
 import datetime
 import math
+import multiprocessing.util
 import os
 import pickle
 import sys
@@ -116,15 +116,22 @@ def _collect(procs, readers, timeout):
         if not ready:
             if failures:
                 break
-            raise LaunchError(-1, f"launch timed out after {timeout} s; ranks without a result: {sorted(pending.values())}")
+            raise LaunchError(
+                -1, f"launch timed out after {timeout} s; ranks without a result: {sorted(pending.values())}"
+            )
         for reader in ready:
             rank = pending.pop(reader)
             try:
                 ok, payload, when = reader.recv()
             except (EOFError, OSError):
                 procs[rank].join(timeout=5)
-                failures.append(((False, time.monotonic()), rank, f"rank {rank} exited with code {procs[rank].exitcode} "
-                                 "without a result (see its output above)"))
+                failures.append(
+                    (
+                        (False, time.monotonic()),
+                        rank,
+                        f"rank {rank} exited with code {procs[rank].exitcode} without a result (see its output above)",
+                    )
+                )
                 continue
             if ok:
                 results[rank] = pickle.loads(payload) if rank == 0 else None
@@ -151,7 +158,7 @@ def _worker(fn, args, rank, world_size, port, backend, timeout, results) -> None
         torch.set_num_threads(1)
         pg_timeout = datetime.timedelta(seconds=timeout) if timeout else None
         if os.environ.get("HOTSWITCH_NETNS"):
-            from .netns import enter_namespace
+            from hotswitch.distributed.netns import enter_namespace
 
             enter_namespace(os.environ["HOTSWITCH_NETNS"])  # before any socket of this process
         store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, is_master=False,
@@ -194,7 +201,7 @@ def _in_namespace(name: str | None):
     if name is None:
         yield
         return
-    from .netns import _CLONE_NEWNET, enter_namespace
+    from hotswitch.distributed.netns import _CLONE_NEWNET, enter_namespace
 
     home = os.open("/proc/self/ns/net", os.O_RDONLY)
     try:

@@ -22,20 +22,15 @@ import time
 import torch
 import torch.distributed as dist
 
+from hotswitch.distconfig import standard_configs
+
 ALGORITHMS = ("greedy", "fcfs", "round_robin", "gather")
-DEFAULT_CONFIGS = ("dp=4", "dp=2,tp=2", "tp=4", "tp=4,sp", "dp=1,tp=2,pp=2", "dp=2,pp=2")
 
 
 def default_configs(world_size: int) -> list[str]:
-    """DEFAULT_CONFIGS scaled to `world_size`: pure DP, DP x TP, TP, TP + SP, and with pp = 2 the
-    tensor- and data-parallel halves (when the world size is even)."""
-    w = world_size
-    configs = [f"dp={w}", f"dp={w // 2},tp=2", f"tp={w}", f"tp={w},sp"]
-    if w % 4 == 0:
-        configs.append(f"dp={w // 4},tp=2,pp=2")
-    if w % 2 == 0:
-        configs.append(f"dp={w // 2},pp=2")
-    return list(dict.fromkeys(configs))
+    """Pure DP, DP x TP, TP, TP + SP and, with pp = 2, the tensor- and data-parallel halves (where
+    the world size allows): `distconfig.standard_configs(world_size, pipeline=True)`."""
+    return [c.name for c in standard_configs(world_size, pipeline=True)]
 
 
 def _timed(fn, repeats: int) -> float:
@@ -49,21 +44,9 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _dtensors(cm, name, mesh=None):
-    from torch.distributed.tensor import DTensor
-
-    st = cm._states[name]
-    mesh = mesh or st.mesh  # under pp > 1: this rank's stage's sub-mesh, holding its stage's parameters
-    local = cm.local_params if cm.active == name else None
-    assert local is not None
-    return {n: DTensor.from_local(local[n], mesh, st.param_specs[n], run_check=False,
-                                  shape=cm.logic.param_shapes[n], stride=torch.empty(cm.logic.param_shapes[n], device="meta").stride())
-            for n in local}
-
-
 def worker(rank: int, model_name: str, config_specs, repeats: int, batch: int, seq: int) -> dict | None:
     import hotswitch as hs
-    from distconfig import DistConfig
+    from hotswitch.distconfig import DistConfig
     from hotswitch.models import build_model
 
     configs = [DistConfig.parse(s) for s in config_specs]
@@ -93,11 +76,20 @@ def worker(rank: int, model_name: str, config_specs, repeats: int, batch: int, s
                 cm.switch(a)
                 cm.switch(b, algorithm=algorithm)  # warm-up: plan cached, buffers allocated once
                 seconds = statistics.median(_max_over_ranks(go()) for _ in range(repeats))
-                rows.append({"from": a, "to": b, "method": algorithm, "measured_seconds": seconds, **_plan_numbers(plan)})
+                rows.append(
+                    {"from": a, "to": b, "method": algorithm, "measured_seconds": seconds, **_plan_numbers(plan)}
+                )
             rows += _baselines(cm, a, b, repeats)
     if rank == 0:
-        return {"model": model_name, "parameters": n_params, "world_size": dist.get_world_size(),
-                "devices_per_node": cm.topology.devices_per_node, "setup_seconds": setup, "repeats": repeats, "rows": rows}
+        return {
+            "model": model_name,
+            "parameters": n_params,
+            "world_size": dist.get_world_size(),
+            "devices_per_node": cm.topology.devices_per_node,
+            "setup_seconds": setup,
+            "repeats": repeats,
+            "rows": rows,
+        }
     return None
 
 
@@ -117,19 +109,24 @@ def _baselines(cm, a: str, b: str, repeats: int) -> list[dict]:
     import torch.distributed.checkpoint as dcp
 
     rows = []
-    sa, sb = cm._states[a], cm._states[b]
-    same_mesh = sa.config.pp == sb.config.pp == 1 and sa.mesh.mesh.shape == sb.mesh.mesh.shape
-    if same_mesh and torch.equal(sa.mesh.mesh, sb.mesh.mesh):
+    ca, cb = (next(c for c in cm.configs if c.name == n) for n in (a, b))
+    mesh_a, mesh_b = cm.device_mesh(a), cm.device_mesh(b)
+    same_mesh = ca.pp == cb.pp == 1 and mesh_a.mesh.shape == mesh_b.mesh.shape
+    if same_mesh and torch.equal(mesh_a.mesh, mesh_b.mesh):
         cm.switch(a)
-        src = _dtensors(cm, a, sb.mesh)
+        src = cm.as_dtensors(cm.local_params, a, mesh=mesh_b)
+        placements_b = cm.placements(b)
 
         def redistribute():
             for n, d in src.items():
-                d.redistribute(sb.mesh, sb.param_specs[n]).to_local()
+                d.redistribute(mesh_b, placements_b[n]).to_local()
 
-        rows.append({"from": a, "to": b, "method": "dtensor_redistribute", "measured_seconds": _timed(redistribute, repeats)})
+        rows.append(
+            {"from": a, "to": b, "method": "dtensor_redistribute", "measured_seconds": _timed(redistribute, repeats)}
+        )
     cm.switch(a)
-    src = _dtensors(cm, a)
+    src = cm.as_dtensors(cm.local_params)
+    shapes_b = cm.local_shapes(b)
     root = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         tmp_list = [tmp]
@@ -137,26 +134,14 @@ def _baselines(cm, a: str, b: str, repeats: int) -> list[dict]:
         runs = iter(range(10**6))
 
         def save_and_load():
-            from torch.distributed.tensor import DTensor
-
             path = os.path.join(tmp_list[0], f"{a}-{b}-{next(runs)}")  # a fresh checkpoint each time
             dcp.save(src, checkpoint_id=path)
-            dst = {n: DTensor.from_local(torch.empty(_local_shape(sb, n, cm)), sb.mesh, sb.param_specs[n], run_check=False,
-                                         shape=cm.logic.param_shapes[n],
-                                         stride=torch.empty(cm.logic.param_shapes[n], device="meta").stride())
-                   for n in cm._held(sb)}
+            dst = cm.as_dtensors({n: torch.empty(shape) for n, shape in shapes_b.items()}, b)
             dcp.load(dst, checkpoint_id=path)
 
         rows.append({"from": a, "to": b, "method": "dcp_save_load", "measured_seconds": _timed(save_and_load, repeats)})
         dist.barrier()
     return rows
-
-
-def _local_shape(st, name, cm):
-    from compiler import _dtensor as dt
-
-    spec = dt.make_spec(st.mesh, st.param_specs[name], torch.empty(cm.logic.param_shapes[name], device="meta"))
-    return dt.local_shape(spec)
 
 
 def summarize(result: dict) -> dict:
@@ -178,21 +163,28 @@ def summarize(result: dict) -> dict:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"model {result['model']} ({result['parameters'] / 1e6:.1f}M parameters), {result['world_size']} processes, "
-             f"{result['devices_per_node']} per node, median of {result['repeats']}; network {result.get('network', '?')}",
-             f"{'from':>7} {'to':>7} {'method':>20} {'MB moved':>9} {'inter MB':>9} {'max send':>9} {'bound MB':>9} "
-             f"{'est ms':>8} {'meas ms':>8}"]
+    lines = [
+        f"model {result['model']} ({result['parameters'] / 1e6:.1f}M parameters), {result['world_size']} processes, "
+        f"{result['devices_per_node']} per node, median of {result['repeats']}; network {result.get('network', '?')}",
+        f"{'from':>7} {'to':>7} {'method':>20} {'MB moved':>9} {'inter MB':>9} {'max send':>9} {'bound MB':>9} "
+        f"{'est ms':>8} {'meas ms':>8}",
+    ]
     mb = lambda x: f"{x / 1e6:9.2f}" if x is not None else f"{'-':>9}"  # noqa: E731
     for r in result["rows"]:
         est = f"{r['estimated_seconds'] * 1e3:8.2f}" if "estimated_seconds" in r else f"{'-':>8}"
-        lines.append(f"{r['from']:>7} {r['to']:>7} {r['method']:>20} {mb(r.get('bytes_moved'))} {mb(r.get('inter_node_bytes'))} "
-                     f"{mb(r.get('max_send_bytes'))} {mb(r.get('lower_bound_bytes'))} {est} {r['measured_seconds'] * 1e3:8.2f}")
+        lines.append(
+            f"{r['from']:>7} {r['to']:>7} {r['method']:>20} {mb(r.get('bytes_moved'))} {mb(r.get('inter_node_bytes'))} "
+            f"{mb(r.get('max_send_bytes'))} {mb(r.get('lower_bound_bytes'))} {est} {r['measured_seconds'] * 1e3:8.2f}"
+        )
     lines.append("")
     lines.append("over the pairs each method covers, greedy / method (below 1: greedy is faster):")
     lines.append(f"  {'method':>20}  pairs  median switch ms  greedy/method (median)  summed ms  greedy/method (sum)")
     for method, s in summarize(result).items():
-        lines.append(f"  {method:>20}  {s['pairs']:5d}  {s['median_seconds'] * 1e3:16.1f}  {s['greedy_over_method_median']:22.2f}"
-                     f"  {s['total_seconds'] * 1e3:9.1f}  {s['greedy_over_method_total']:19.2f}")
+        lines.append(
+            f"  {method:>20}  {s['pairs']:5d}  {s['median_seconds'] * 1e3:16.1f}"
+            f"  {s['greedy_over_method_median']:22.2f}"
+            f"  {s['total_seconds'] * 1e3:9.1f}  {s['greedy_over_method_total']:19.2f}"
+        )
     return "\n".join(lines)
 
 
@@ -225,18 +217,20 @@ def run(world_size=4, devices_per_node=2, model="gpt2-23m", configs=None, repeat
         json_path=None, png_path=None, emulate_nodes=False, inter_node_gbit=1.0) -> dict:
     """With `emulate_nodes`, each node's ranks run in their own network namespace and inter-node
     traffic crosses links shaped to `inter_node_gbit` (hotswitch.netns); else all is loopback."""
-    from .launch import launch
+    from hotswitch.distributed.launch import launch
 
     configs = default_configs(world_size) if configs is None else configs
     args = (worker, world_size, model, list(configs), repeats, batch, seq)
     if emulate_nodes:
-        from .netns import EmulatedNodes
+        from hotswitch.distributed.netns import EmulatedNodes
 
         # what the planner's estimates assume: the shaped link shared by a node's devices
         os.environ["HOTSWITCH_INTER_NODE_BW"] = str(inter_node_gbit * 1.25e8 / devices_per_node)
         with EmulatedNodes(world_size // devices_per_node, inter_node_gbit) as nodes:
             result = launch(*args, devices_per_node=devices_per_node, nodes=nodes)
-        result["network"] = f"emulated: {world_size // devices_per_node} nodes, {inter_node_gbit:g} Gbit/s links between nodes"
+        result["network"] = (
+            f"emulated: {world_size // devices_per_node} nodes, {inter_node_gbit:g} Gbit/s links between nodes"
+        )
     else:
         result = launch(*args, devices_per_node=devices_per_node)
         result["network"] = "loopback: every byte costs the same, inter-node or not"

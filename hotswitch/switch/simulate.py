@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from distconfig import Topology
+from hotswitch.distconfig import Topology
 
 __all__ = [
     "NIC_BANDWIDTH", "NVLINK_BANDWIDTH", "Simulation", "compare_algorithms", "gpu_cluster", "plot_send_volume",
@@ -161,7 +161,7 @@ def simulate(
 
 def compare_algorithms(moves, topology: Topology, algorithms=None, **simulate_options) -> dict:
     """Plan `moves` with every algorithm (default all four) and simulate each: {algorithm: (plan, simulation)}."""
-    from .planner import ALGORITHMS, plan_switch
+    from hotswitch.switch.planner import ALGORITHMS, plan_switch
 
     out = {}
     for algorithm in algorithms or ALGORITHMS:
@@ -201,9 +201,9 @@ def plot_send_volume(plans: dict, path: str, title: str = "") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     import textwrap
+
+    import matplotlib.pyplot as plt
 
     names = list(plans)
     topo = plans[names[0]].topology

@@ -143,7 +143,9 @@ def make_buckets(lengths, boundaries) -> list[Bucket]:
     buckets = []
     for b in sorted(members):
         low = boundaries[b - 1] if b else 0
-        buckets.append(Bucket(b, low, boundaries[b], pack_rows([lengths[i] for i in members[b]], members[b], boundaries[b])))
+        buckets.append(
+            Bucket(b, low, boundaries[b], pack_rows([lengths[i] for i in members[b]], members[b], boundaries[b]))
+        )
     return buckets
 
 
@@ -218,6 +220,16 @@ def weighted_micro_batches(sequences: list[torch.Tensor], bucket: Bucket, rows: 
             if mb.target_tokens > 0]  # only one-token sequences: nothing to predict, nothing to add
 
 
+def full_length_micro_batch(rows: int, length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A micro-batch (input ids, positions, labels) of `rows` full-length sequences (every token but
+    the last is a target): what the Trainer traces with and profiles each config at each length."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 8, (rows, length), generator=g)
+    pos = torch.arange(length).repeat(rows, 1)
+    labels = torch.cat([ids[:, 1:], torch.full((rows, 1), IGNORE)], dim=1)
+    return ids, pos, labels
+
+
 # ------------------------------------------------------------------------------------- datasets
 def synthetic_skewed(num_sequences: int, vocab_size: int, max_length: int, seed: int = 0,
                      median_length: int | None = None, min_length: int = 8) -> list[torch.Tensor]:
@@ -247,7 +259,11 @@ def load_jsonl(path: str | Path, vocab_size: int | None = None) -> list[torch.Te
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_no}: not valid JSON ({e.msg})") from None
             ids = row.get("input_ids") if isinstance(row, dict) else row
-            if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if (
+                not isinstance(ids, list)
+                or not ids
+                or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+            ):
                 raise ValueError(f"{path}:{line_no}: expected a non-empty list of token ids or "
                                  '{"input_ids": [...]}')
             if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import _c10d
-from .launch import patched_environ
+from hotswitch.distributed import _c10d
+from hotswitch.distributed.launch import patched_environ
 
 __all__ = ["ElasticError", "GenerationRecord", "Membership", "MembershipChanged", "run_elastic"]
 
@@ -129,7 +129,9 @@ class _Agent:
         job = tuple(x for x in rec.job if x != w.wid and self.alive(x))
         group = tuple(x for x in rec.group if x != w.wid and self.alive(x))
         code = w.process.exitcode
-        self.log(f"[elastic] worker {w.wid} died (exit code {code}{' = signal ' + str(-code) if code and code < 0 else ''})")
+        self.log(
+            f"[elastic] worker {w.wid} died (exit code {code}{' = signal ' + str(-code) if code and code < 0 else ''})"
+        )
         if len(job) < self.min_size:
             raise ElasticError(f"worker {w.wid} died and {len(job)} workers are left, fewer than the minimum "
                                f"{self.min_size} (--elastic {self.min_size}:{self.max_size}); the job stops. Restart "

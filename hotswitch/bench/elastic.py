@@ -27,8 +27,9 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
-__all__ = ["add_bench_elastic"]
+__all__ = ["run"]
 
 SCENARIOS = [
     # name, source (spec, devices), destination (spec, devices), devices gone before the move
@@ -39,27 +40,18 @@ SCENARIOS = [
 ]
 
 
-def add_bench_elastic(sub) -> None:
-    q = sub.add_parser("elastic", help="a change of devices: hotswitch's planned move vs gathering on one rank vs "
-                       "checkpoint + restart + load", description=__doc__,
-                       formatter_class=__import__("argparse").RawDescriptionHelpFormatter)
-    q.add_argument("--model", default="gpt-small", help="built-in model (default gpt-small)")
-    q.add_argument("--repeats", type=int, default=3, help="timed runs per method; the median is reported")
-    q.add_argument("--json", default="bench_elastic.json", help="where to write the results")
-    q.set_defaults(run=run_bench_elastic)
+def run(model: str, repeats: int, json_path: str) -> int:
+    """Measure the four scenarios on 4 processes, print the table, write `json_path`."""
+    from hotswitch.distributed.launch import LaunchError, launch
 
-
-def run_bench_elastic(args) -> int:
-    from hotswitch.launch import LaunchError, launch
-
-    print(f"hotswitch bench elastic: {args.model} job state (weights + AdamW moments, fp32) on 4 CPU processes "
-          f"(gloo), median of {args.repeats}", flush=True)
+    print(f"hotswitch bench elastic: {model} job state (weights + AdamW moments, fp32) on 4 CPU processes "
+          f"(gloo), median of {repeats}", flush=True)
     directory = tempfile.mkdtemp(prefix="hotswitch-bench-elastic-")
     try:
         t0 = time.perf_counter()
-        launch(_restart_probe, 4, args.model)
+        launch(_restart_probe, 4, model)
         restart = time.perf_counter() - t0
-        result = launch(_bench_worker, 4, args.model, args.repeats, directory)
+        result = launch(_bench_worker, 4, model, repeats, directory)
     except LaunchError as e:
         print(f"hotswitch bench elastic: {e}", file=sys.stderr, flush=True)
         return 1
@@ -75,9 +67,9 @@ def run_bench_elastic(args) -> int:
         s["ratios"] = dict(one_rank=g / h, checkpoint=c / h, checkpoint_restart=(c + restart) / h)
         print(f"{s['name']:<36} {h * 1e3:8.1f}ms {g * 1e3:8.1f}ms {c * 1e3:9.1f}ms   {g / h:6.1f}x "
               f"{c / h:6.1f}x {(c + restart) / h:8.0f}x   ({s['mib_moved']:.1f} MiB moved by hotswitch)")
-    with open(args.json, "w") as f:
+    with open(json_path, "w") as f:
         json.dump(result, f, indent=1)
-    print(f"wrote {args.json}")
+    print(f"wrote {json_path}")
     return 0
 
 
@@ -86,11 +78,13 @@ def _model_and_layouts(model_name: str):
 
     import hotswitch as hs
     from hotswitch.models import PackedCausalLMLoss, build_model
-    from hotswitch.trainer import _example_inputs
+    from hotswitch.train.data import full_length_micro_batch
 
     torch.manual_seed(0)
     model = build_model(model_name)
-    return hs.compile(PackedCausalLMLoss(model), _example_inputs(2, 16), [hs.DistConfig("dp4", dp=4)], lazy=True)
+    return hs.compile(
+        PackedCausalLMLoss(model), full_length_micro_batch(2, 16), [hs.DistConfig("dp4", dp=4)], lazy=True
+    )
 
 
 def _restart_probe(rank: int, model_name: str) -> None:
@@ -111,16 +105,16 @@ def _bench_worker(rank: int, model_name: str, repeats: int, directory: str) -> d
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import DeviceMesh
 
-    from distconfig import DistConfig, Layout, Mesh, Replicate, Topology
-    from hotswitch.executor import execute_plan
-    from hotswitch.planner import TensorMove, plan_switch
+    from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Topology
+    from hotswitch.switch.executor import execute_plan
+    from hotswitch.switch.planner import TensorMove, plan_switch
+    from hotswitch.switch.state import JOB_STATE, state_key
 
     cm = _model_and_layouts(model_name)
     names = list(cm.logic.param_names)
     g = torch.Generator().manual_seed(1)
-    full = {f"{k}:{n}": torch.randn(cm.logic.param_shapes[n], generator=g) for k in ("param", "exp_avg", "exp_avg_sq")
+    full = {state_key(k, n): torch.randn(cm.logic.param_shapes[n], generator=g) for k in JOB_STATE
             for n in names}
     topology = Topology(4, 4)
     out = []
@@ -156,8 +150,8 @@ def _bench_worker(rank: int, model_name: str, repeats: int, directory: str) -> d
             new, _, _ = execute_plan(scatter, whole, middle, dst, rank, dtypes={k: torch.float32 for k in full})
             return new
 
-        src_mesh = DeviceMesh("cpu", torch.tensor(src_dev).reshape(_shape(src_cfg)), mesh_dim_names=_axes(src_cfg))
-        dst_mesh = DeviceMesh("cpu", torch.tensor(dst_dev).reshape(_shape(dst_cfg)), mesh_dim_names=_axes(dst_cfg))
+        src_mesh = replace(src_cfg, devices=tuple(src_dev)).device_mesh("cpu")
+        dst_mesh = replace(dst_cfg, devices=tuple(dst_dev)).device_mesh("cpu")
 
         def checkpoint(i):
             path = os.path.join(directory, f"{len(out)}-{i}")
@@ -197,30 +191,18 @@ def _bench_worker(rank: int, model_name: str, repeats: int, directory: str) -> d
         out.append(dict(name=name, mib_moved=float(total.item()) / 2**20,
                         **{m: statistics.median(v) for m, v in times.items()}))
         if rank == 0:
-            print(f"  {name}: hotswitch {out[-1]['hotswitch'] * 1e3:.1f} ms, one rank {out[-1]['one_rank'] * 1e3:.1f} ms,"
-                  f" checkpoint {out[-1]['checkpoint'] * 1e3:.1f} ms", flush=True)
+            print(
+                f"  {name}: hotswitch {out[-1]['hotswitch'] * 1e3:.1f} ms, one rank {out[-1]['one_rank'] * 1e3:.1f} ms,"
+                f" checkpoint {out[-1]['checkpoint'] * 1e3:.1f} ms",
+                flush=True,
+            )
     state_mib = sum(t.numel() * 4 for t in full.values()) / 2**20
     return dict(model=model_name, state_mib=state_mib, scenarios=out)
 
 
-def _shape(config) -> list[int]:
-    return [config.dp, config.tp] if config.dp > 1 and config.tp > 1 else [config.world_size]
-
-
-def _axes(config) -> tuple[str, ...]:
-    return ("dp", "tp") if config.dp > 1 and config.tp > 1 else (("tp",) if config.tp > 1 else ("dp",))
-
-
 def _dtensors(local, layouts, mesh, full):
-    import torch
-    from torch.distributed.tensor import DTensor
+    from hotswitch.compiler import _dtensor as dt
+    from hotswitch.distconfig.placement import to_torch
 
-    from distconfig.placement import to_torch
-
-    out = {}
-    for k, t in local.items():
-        placements = [to_torch(p) for p in layouts[k].placements]
-        shape = tuple(full[k].shape)
-        out[k] = DTensor.from_local(t, mesh, placements, run_check=False, shape=shape,
-                                    stride=torch.empty(shape, device="meta").stride())
-    return out
+    return {k: dt.from_local(t, mesh, [to_torch(p) for p in layouts[k].placements], full[k].shape)
+            for k, t in local.items()}

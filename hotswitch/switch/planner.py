@@ -63,8 +63,8 @@ from functools import cached_property, lru_cache
 import numpy as np
 import torch
 
-from distconfig import Layout, Mesh, Topology
-from distconfig.layout import Box
+from hotswitch.distconfig import Layout, Mesh, Topology
+from hotswitch.distconfig.layout import Box
 
 __all__ = ["ALGORITHMS", "LostState", "PlanCache", "SwitchPlan", "TensorMove", "Transfer", "plan_switch", "unowned"]
 

@@ -34,17 +34,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distconfig import DistConfig, Topology
-
-from . import checkpoint as ckpt
-from .executor import execute_plan
-from .membership import LONG_TIMEOUT, ElasticError, GenerationRecord, Membership
-from .planner import TensorMove, plan_switch, unowned
-from .trainer import Trainer, default_base
+from hotswitch.distconfig import DistConfig, Topology
+from hotswitch.elastic import checkpoint as ckpt
+from hotswitch.elastic.membership import LONG_TIMEOUT, ElasticError, GenerationRecord, Membership
+from hotswitch.switch.executor import execute_plan
+from hotswitch.switch.planner import TensorMove, plan_switch, unowned
+from hotswitch.switch.state import JOB_STATE, state_key
+from hotswitch.train.trainer import Trainer, default_base
 
 __all__ = ["ElasticJob", "Event", "Reconfiguration", "configs_for"]
 
-KINDS = ("param", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True, order=True)
@@ -99,9 +98,11 @@ def configs_for(candidates, num_devices: int, min_devices: int = 1) -> tuple[int
                     found.append(config)
         if found:
             return n, found
-    raise ElasticError(f"no candidate config fits {num_devices} devices (or any count down to {min_devices}): "
-                       f"candidates {[getattr(c, 'name', c) for c in candidates] if not callable(candidates) else candidates}; "
-                       "add a config with a smaller tensor-parallel degree")
+    raise ElasticError(
+        f"no candidate config fits {num_devices} devices (or any count down to {min_devices}): "
+        f"candidates {[getattr(c, 'name', c) for c in candidates] if not callable(candidates) else candidates}; "
+        "add a config with a smaller tensor-parallel degree"
+    )
 
 
 @dataclass
@@ -271,7 +272,7 @@ class ElasticJob:
         if self.trainer is None:
             return None
         t = self.trainer
-        return _Held(t.step_count, t._config(t.base), tuple(self.membership.job_members), t.job_state())
+        return _Held(t.step_count, t.config(t.base), tuple(self.membership.job_members), t.job_state())
 
     def _transition(self, record: GenerationRecord, t0: float) -> bool:
         """Move the job state to `record`'s job; returns False if this worker is not in it."""
@@ -300,8 +301,12 @@ class ElasticJob:
         if held is not None and m.wid == record.group[0]:  # a survivor: it can compute layouts
             base_config = next(c for c in configs if c.name == base)
             moves = self._moves(old_trainer, DistConfig.parse(src_spec), src_members, base_config, job, record.group)
-            meta = dict(rng=torch.get_rng_state(), applied=sorted(self.applied_events), max_committed=self.max_committed,
-                        history=self.reconfigurations)
+            meta = dict(
+                rng=torch.get_rng_state(),
+                applied=sorted(self.applied_events),
+                max_committed=self.max_committed,
+                history=self.reconfigurations,
+            )
         else:
             moves = meta = None
         box = [moves, meta]
@@ -373,8 +378,8 @@ class ElasticJob:
         src_devices = [group.index(w) if w in group else W + i for i, w in enumerate(src_members)]
         src = trainer.cm.layouts_for(src_config, src_devices)
         dst = trainer.cm.layouts_for(dst_config, [group.index(w) for w in job])
-        return [TensorMove(f"{kind}:{n}", src[n].global_shape, 4, src[n], dst[n])
-                for kind in KINDS for n in trainer.cm.logic.param_names]
+        return [TensorMove(state_key(kind, n), src[n].global_shape, 4, src[n], dst[n])
+                for kind in JOB_STATE for n in trainer.cm.logic.param_names]
 
     # ------------------------------------------------------------------------------ pieces
     def _new_trainer(self, configs: list[DistConfig], model: nn.Module, base: str | None = None,
@@ -403,9 +408,9 @@ class ElasticJob:
     def _as_dtensors(self, local: dict[str, torch.Tensor]) -> dict:
         """{"kind:param": shard in the base layout} as DTensors on the base's mesh (DCP's input)."""
         cm, out = self.trainer.cm, {}
-        for kind in KINDS:
-            out.update({f"{kind}:{n}": d for n, d in cm.as_dtensors(
-                {n: local[f"{kind}:{n}"] for n in cm.logic.param_names}).items()})
+        for kind in JOB_STATE:
+            out.update({state_key(kind, n): d for n, d in cm.as_dtensors(
+                {n: local[state_key(kind, n)] for n in cm.logic.param_names}).items()})
         return out
 
     def _load_checkpoint(self) -> ckpt.Manifest:
@@ -415,7 +420,7 @@ class ElasticJob:
         if path is None:
             raise ElasticError(f"slices of the job state were lost with the failed worker and {self.checkpoint_dir} "
                                "holds no complete checkpoint to restore them from")
-        state = self._as_dtensors({f"{kind}:{n}": torch.empty_like(p) for kind in KINDS
+        state = self._as_dtensors({state_key(kind, n): torch.empty_like(p) for kind in JOB_STATE
                                    for n, p in t.cm.local_params.items()})
         manifest = ckpt.load(path, state)
         local = {k: v.to_local() for k, v in state.items()}

@@ -1,0 +1,172 @@
+"""The one lowering path: a (stage of a) LogicGraph and a config's placements -> this rank's programs.
+
+Every ExecGraph is lowered here, whatever the config: a pp = 1 config's whole model is the one
+stage of its pipeline (`stage=None`). `lower_program` builds the placeholder specs (parameters in
+their config's placements, buffers replicated, model inputs sharded on the batch dim over dp,
+activations received from a neighbouring stage in the layout that stage sends), propagates
+shardings (`lower.propagate_graph`) and traces this rank's program (`lower.lower`). Two outputs:
+
+- `reduce=True` (pp = 1 only): one graph that ends with the data-parallel gradient reduction
+  (bucketed), the division by the global loss denominator and every gradient in its parameter's
+  layout: what one `forward_backward` call runs.
+- `reduce=False`: loss parts and gradients left unreduced, so micro-batches (and pipeline stages)
+  sum them and one `lower.lower_reduction` program reduces once per step; not the last stage:
+  cut into a forward and a backward program (`stages.split_forward_backward`).
+
+Uneven data-parallel batches: each rank propagates with its own local batch times dp (the virtual
+global batch). Data parallelism moves no activation across the dp axis (only sums of losses and
+gradients), so each rank's own graph is exact, and so are the reductions.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from . import _dtensor as dt
+from ._torch import pytree
+from .lower import OutputPlan, StageOutputPlan, lower, propagate_graph
+from .stages import Stage, split_forward_backward, stage_joint
+from .tp_rules import param_views
+from .trace import LogicGraph
+
+__all__ = ["StageMesh", "StageProgram", "lower_program"]
+
+
+@dataclass(frozen=True)
+class StageMesh:
+    """Where a stage computes: the DeviceMesh of its (dp, tp) axes, the axis name -> mesh dim map,
+    the data-parallel degree, whether sequence parallelism is on, and each parameter's placements."""
+
+    mesh: dt.DeviceMesh
+    axis: dict[str, int]
+    dp: int
+    sp: bool
+    param_placements: dict[str, tuple]
+    name: str = ""  # the config's name, for the graphs' metadata and error messages
+
+
+@dataclass
+class StageProgram:
+    """This rank's lowered programs for one stage and one local micro-batch shape.
+
+    reduce=True: `joint` (params, buffers, inputs) -> (loss, *grads in parameter layouts), or the
+    loss alone without `train`. reduce=False, training, not the last stage: forward (params,
+    buffers, inputs, acts in) -> (acts out..., den, saved...), backward (saved..., grads of acts out)
+    -> (param grads..., grads of acts in...). reduce=False, last stage (or pp = 1): forward ->
+    (num, den, param grads..., grads of acts in...). Forward only: (acts out..., den) or, last, (num, den).
+    """
+
+    joint: fx.GraphModule  # the whole lowered graph, before the forward/backward cut
+    forward: fx.GraphModule
+    backward: fx.GraphModule | None
+    train: bool
+    is_last: bool
+    n_acts_out: int
+    n_losses: int  # 2 (num, den) on the last stage, 1 (den) elsewhere
+    n_params: int
+    send_grads: tuple[bool, ...]  # per act in: is a gradient sent back for it (floating point)
+    recv_acts: list[tuple[tuple[int, ...], torch.dtype]]
+    recv_grads: list[tuple[tuple[int, ...], torch.dtype]]
+    deferred_specs: list  # DTensorSpecs of (losses..., param grads...) as the program returns them
+    param_specs: list  # DTensorSpecs of the stage's parameters
+    seconds: float = 0.0
+
+
+def _concrete(size, values: dict) -> int:
+    if isinstance(size, torch.SymInt):
+        return int(sympy.sympify(size.node.expr).subs(values))
+    return int(size)
+
+
+def _leaves(graph: fx.Graph) -> list[fx.Node]:
+    out = next(n for n in graph.nodes if n.op == "output")
+    return pytree.tree_leaves(out.args[0])
+
+
+def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buffers: list[torch.Tensor],
+                  local_shapes: tuple, input_dtypes: list[torch.dtype], *, train: bool, reduce: bool = False,
+                  strict: bool = True, memo: dict | None = None) -> StageProgram:
+    """Lower one stage (None: the whole model) for local micro-batches of `local_shapes` (this rank's
+    rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`)."""
+    t0 = time.perf_counter()
+    if reduce and stage is not None:
+        raise ValueError("reduce=True lowers a whole model (stage=None); pipeline stages defer their reduction")
+    if stage is None:
+        graph, param_names, n_out, is_last = (logic.joint if train else logic.forward).graph, logic.param_names, 0, True
+    else:
+        graph = (stage_joint(logic, stage) if train else stage.forward).graph
+        param_names, n_out, is_last = stage.param_names, len(stage.acts_out), stage.is_last
+    mesh, axis, dp = where.mesh, where.axis, where.dp
+    ndim = mesh.ndim
+    virtual = [(s[0] * dp, *s[1:]) for s in local_shapes]
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    n_p, n_b, n_i = len(param_names), len(buffers), logic.num_inputs
+    inputs = phs[n_p + n_b:n_p + n_b + n_i]
+    boundary = phs[n_p + n_b + n_i:]
+    values, batch_syms, seq_sym = {}, set(), None
+    for ph, shape in zip(inputs, virtual):
+        val = ph.meta["val"]
+        for d, s in enumerate(val.shape):
+            if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol):
+                values[s.node.expr] = shape[d]
+                if d == 0:
+                    batch_syms.add(s.node.expr)
+                if d == 1 and seq_sym is None and val.dim() >= 2:
+                    seq_sym = s.node.expr
+
+    def boundary_spec(val) -> dt.DTensorSpec:
+        shape = tuple(_concrete(s, values) for s in val.shape)
+        placements = [dt.Replicate()] * ndim
+        if dp > 1 and "dp" in axis and val.dim() and isinstance(val.shape[0], torch.SymInt) \
+                and val.shape[0].node.expr.free_symbols & batch_syms:
+            placements[axis["dp"]] = dt.Shard(0)
+        if where.sp and "tp" in axis:
+            seq = [d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt) and s.node.expr == seq_sym]
+            if seq:
+                placements[axis["tp"]] = dt.Shard(seq[0])
+        return dt.make_spec(mesh, placements, torch.empty(shape, dtype=val.dtype, device="meta"))
+
+    specs = [dt.make_spec(mesh, where.param_placements[n],
+                          torch.empty(logic.param_shapes[n], dtype=logic.param_dtypes[n], device="meta"))
+             for n in param_names]
+    specs += [dt.make_spec(mesh, (dt.Replicate(),) * ndim, b.to("meta")) for b in buffers]
+    for shape, dtype in zip(virtual, input_dtypes):
+        placements = [dt.Replicate()] * ndim
+        if dp > 1 and "dp" in axis:
+            placements[axis["dp"]] = dt.Shard(0)
+        specs.append(dt.make_spec(mesh, placements, torch.empty(shape, dtype=dtype, device="meta")))
+    specs += [boundary_spec(ph.meta["val"]) for ph in boundary]
+    n_acts_in = len(stage.acts_in) if stage is not None else 0
+    sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None, seq_symbol=seq_sym,
+                               pinned_nodes=param_views(graph, n_p), strict=strict, memo=memo)
+    local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype) for s in specs]
+    n_losses = 2 if is_last else 1
+    if reduce:
+        plan = OutputPlan(split_loss=logic.split_loss, num_losses=2 if logic.split_loss else 1,
+                          param_specs=tuple(specs[:n_p]) if train else ())
+    else:
+        out_vals = [n.meta["val"] for n in _leaves(graph)]
+        sent = [(i, boundary_spec(out_vals[i])) for i in range(n_out)]  # activations, in the next stage's layout
+        if train:
+            first_grad_in = n_out + n_losses + n_p
+            sent += [(first_grad_in + k, specs[n_p + n_b + n_i + k]) for k in range(n_acts_in)]
+        plan = StageOutputPlan(forward_outputs=tuple(range(n_out + n_losses)), sent=tuple(sent))
+    gm = lower(graph, sharding, local, plan, mesh)
+    gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
+                            "local_shapes": tuple(local_shapes), "sharding": sharding}
+    recv_acts = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i:n_p + n_b + n_i + n_acts_in]]
+    recv_grads = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i + n_acts_in:]]
+    forward, backward = gm, None
+    if train and recv_grads and not reduce:
+        forward, backward, _ = split_forward_backward(gm, len(recv_grads), plan.forward_outputs)
+    deferred = [] if reduce else \
+        list(range(n_out, n_out + n_losses)) + (list(range(n_out + n_losses, n_out + n_losses + n_p)) if train else [])
+    return StageProgram(
+        joint=gm, forward=forward, backward=backward, train=train, is_last=is_last, n_acts_out=n_out,
+        n_losses=n_losses, n_params=n_p, send_grads=tuple(dtype.is_floating_point for _, dtype in recv_acts),
+        recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=[sharding.output_specs[i] for i in deferred],
+        param_specs=specs[:n_p], seconds=time.perf_counter() - t0)

@@ -1,0 +1,32 @@
+"""The `hotswitch` command line: one module per command, each with `add_parser(subparsers)` that
+registers its parser and sets `run=<function taking the parsed args>`.
+
+    hotswitch demo           train a small GPT on 4 CPU processes under dp4, dp2tp2 and tp4sp, switching between them
+    hotswitch train          mixed-length training: a config per length bucket, hot-switched within each step
+    hotswitch bench switch   what every switch between configs costs: planner algorithms and outside baselines
+    hotswitch bench train    tokens/s of hot-switched training vs the best static config within a memory budget
+    hotswitch bench elastic  a change of devices: planned move vs gathering on one rank vs checkpoint + restart
+    hotswitch plan           plan one switch of a large model on a simulated cluster (pure, no processes)
+
+Command modules import torch only inside their `run` functions, so `--help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hotswitch.cli import bench, demo, plan, train
+
+    parser = argparse.ArgumentParser(prog="hotswitch", description="Compile a model once for several parallel "
+                                     "layouts (DistConfigs) and hot-switch between them while training.")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for command in (demo, train, bench, plan):
+        command.add_parser(subparsers)
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    return args.run(args) or 0

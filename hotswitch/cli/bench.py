@@ -1,0 +1,105 @@
+"""`hotswitch bench switch|train|elastic`: the benchmarks' command lines (the measurements live in
+`hotswitch.bench`)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hotswitch.cli.common import add_train_arguments
+
+__all__ = ["add_parser"]
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("bench", help="benchmarks")
+    sub = p.add_subparsers(title="benchmarks", metavar="BENCH")
+    q = sub.add_parser(
+        "switch",
+        help="measure every ordered pair of configs: planner algorithms, DTensor redistribute, "
+        "torch.distributed.checkpoint save + load",
+        description=_docstring("hotswitch.bench.switch"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    q.add_argument("--world-size", type=int, default=4)
+    q.add_argument("--devices-per-node", type=int, default=2, help="processes per simulated node (default 2)")
+    q.add_argument("--model", default="gpt2-23m", help="built-in model (default gpt2-23m, 23M parameters)")
+    q.add_argument("--configs", default=None, help="semicolon-separated DistConfig specs (default: "
+                   "'dp=4;dp=2,tp=2;tp=4;tp=4,sp;dp=1,tp=2,pp=2;dp=2,pp=2' scaled to --world-size)")
+    q.add_argument("--repeats", type=int, default=5, help="timed runs per switch; the median is reported")
+    q.add_argument(
+        "--emulate-nodes",
+        action="store_true",
+        help="run each node's processes in its own network namespace, "
+        "nodes joined by rate-limited links (needs root and iproute2), so inter-node bytes cost what they would",
+    )
+    q.add_argument(
+        "--inter-node-gbit", type=float, default=1.0, help="inter-node link rate with --emulate-nodes (default 1)"
+    )
+    q.add_argument("--json", default="bench_switch.json", help="where to write the results (default bench_switch.json)")
+    q.add_argument("--plot", default="bench_switch.png", help="where to draw the chart (default bench_switch.png)")
+    q.set_defaults(run=run_bench_switch)
+
+    q = sub.add_parser("train", help="tokens/s of hot-switched mixed-length training vs the best static config "
+                       "that fits the same memory budget", description=_docstring("hotswitch.bench.train"),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(q)
+    q.set_defaults(steps=4, configs="dp=4;tp=4,sp")
+    q.add_argument("--budget-fraction", type=float, default=0.9, help="without --memory-budget-mib: the budget is "
+                   "this fraction of pure DP's estimated peak at the longest bucket, so long rows do not fit pure DP")
+    q.add_argument("--json", default="bench_train.json", help="where to write the results (default bench_train.json)")
+    q.set_defaults(run=run_bench_train)
+
+    q = sub.add_parser("elastic", help="a change of devices: hotswitch's planned move vs gathering on one rank vs "
+                       "checkpoint + restart + load", description=_docstring("hotswitch.bench.elastic"),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("--model", default="gpt-small", help="built-in model (default gpt-small)")
+    q.add_argument("--repeats", type=int, default=3, help="timed runs per method; the median is reported")
+    q.add_argument("--json", default="bench_elastic.json", help="where to write the results")
+    q.set_defaults(run=run_bench_elastic)
+    p.set_defaults(run=lambda args: p.print_help() or 2)
+
+
+def _docstring(module: str) -> str:
+    """A benchmark module's docstring, read from its source without importing it (that imports torch)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    with open(spec.origin) as f:
+        return ast.get_docstring(ast.parse(f.read())) or ""
+
+
+def run_bench_train(args) -> int:
+    from hotswitch.bench import train as bench_train
+    from hotswitch.cli.train import options
+
+    return bench_train.run(options(args, warmup_steps=1), args.budget_fraction, args.json)
+
+
+def run_bench_elastic(args) -> int:
+    from hotswitch.bench import elastic as bench_elastic
+
+    return bench_elastic.run(args.model, args.repeats, args.json)
+
+
+def run_bench_switch(args) -> int:
+    from hotswitch.bench import switch as bench_switch
+    from hotswitch.models import MODEL_CONFIGS
+
+    if args.model not in MODEL_CONFIGS:
+        print(f"unknown model {args.model!r}; built-in models: {', '.join(MODEL_CONFIGS)}", file=sys.stderr)
+        return 2
+    w = args.world_size
+    configs = args.configs.split(";") if args.configs else bench_switch.default_configs(w)
+    print(
+        f"benchmarking switches of {args.model} between {configs} on {w} processes, "
+        f"{args.devices_per_node} per node ...",
+        flush=True,
+    )
+    result = bench_switch.run(world_size=w, devices_per_node=args.devices_per_node, model=args.model, configs=configs,
+                              repeats=args.repeats, json_path=args.json, png_path=args.plot,
+                              emulate_nodes=args.emulate_nodes, inter_node_gbit=args.inter_node_gbit)
+    print(bench_switch.format_table(result))
+    print(f"wrote {args.json} and {args.plot}")
+    return 0
+

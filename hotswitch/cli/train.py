@@ -1,0 +1,282 @@
+"""`hotswitch train`: the mixed-length Trainer on spawned CPU processes.
+
+    hotswitch train --model gpt-tiny --world-size 4 --dataset synthetic-skewed --steps 5
+    hotswitch train ... --static dp=2,tp=2          # the same data under one config, for comparison
+    hotswitch train --elastic 2:4 --scale 3:2       # workers may die (SIGKILL) or come and go; see below
+
+With --elastic MIN:MAX the workers run under hotswitch's agent (`hotswitch.elastic.membership`): a worker
+that dies is dropped and the job goes on with the others (at least MIN) under configs re-derived for
+the new count; --scale STEP:N and --redeploy STEP plan changes before global batch STEP. State moves
+between workers by the switch planner; slices no survivor holds come from the latest asynchronous
+torch.distributed.checkpoint (--checkpoint-every N steps, in --checkpoint-dir) and the steps since
+it are replayed. A line "step N ..." is printed when step N completes (again, marked "replayed",
+when it is replayed).
+
+Every rank builds the same model (seeded), reads the same global batches (a seeded sample order
+over the dataset) and runs `Trainer.step`; rank 0 prints one line per step and a progress bar.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+from hotswitch.cli.common import add_train_arguments
+
+__all__ = ["add_parser", "options"]
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("train", help="mixed-length training with hot switching on CPU processes",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_train_arguments(p)
+    p.add_argument("--static", default=None, metavar="CONFIG",
+                   help="run the same data under this one config (e.g. 'dp=4' or 'tp=4,sp'), without switching")
+    p.add_argument("--save-final", default=None, metavar="PATH", help="write the final full state dict (torch.save)")
+    e = p.add_argument_group("elastic training (workers may die, join or leave)")
+    e.add_argument("--elastic", default=None, metavar="MIN:MAX", help="run under the elastic agent with between MIN "
+                   "and MAX workers (--world-size at the start); a killed worker is dropped and the job goes on")
+    e.add_argument("--scale", action="append", default=[], metavar="STEP:N", help="planned scale-out/in to N workers "
+                   "before global batch STEP (repeatable; needs --elastic)")
+    e.add_argument("--redeploy", action="append", default=[], type=int, metavar="STEP", help="move the job to as many "
+                   "new workers before global batch STEP (repeatable; needs --elastic)")
+    e.add_argument("--checkpoint-dir", default=None, help="asynchronous DCP checkpoints (default: a new temporary "
+                   "directory, printed)")
+    e.add_argument("--checkpoint-every", type=int, default=2, help="checkpoint every N steps (default 2)")
+    e.add_argument("--step-timeout", type=float, default=30.0, help="seconds a collective may wait for a peer "
+                   "inside a step before the peer counts as gone (default 30)")
+    p.set_defaults(run=run_train)
+
+
+
+def options(args, **extra):
+    from hotswitch.distconfig import DistConfig, standard_configs
+    from hotswitch.models import MODEL_CONFIGS
+    from hotswitch.train.loop import HF_MODELS, TrainOptions
+
+    if args.model not in MODEL_CONFIGS and args.model not in HF_MODELS:
+        raise SystemExit(
+            f"hotswitch: unknown model {args.model!r}; choose from {', '.join([*MODEL_CONFIGS, *HF_MODELS])}"
+        )
+    if args.steps < 1 or args.batch_size < 1 or args.world_size < 1:
+        raise SystemExit("hotswitch: need --steps >= 1, --batch-size >= 1 and --world-size >= 1")
+    try:
+        if args.configs:
+            configs = [DistConfig.parse(s) for s in args.configs.split(";")]
+        else:
+            # HotSPa's two ends: pure DP for short rows, TP+SP for long ones
+            configs = [c for c in standard_configs(args.world_size) if c.tp == 1 or c.sp and c.dp == 1]
+        static = getattr(args, "static", None)
+        if static:
+            static = DistConfig.parse(static).spec()
+            DistConfig.parse(static).check_world_size(args.world_size)
+        for c in configs:
+            c.check_world_size(args.world_size)
+        buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
+    except ValueError as e:
+        raise SystemExit(f"hotswitch: {e}")
+    if args.dataset != "synthetic-skewed" and not os.path.isfile(args.dataset):
+        raise SystemExit(f"hotswitch: dataset {args.dataset!r} is neither 'synthetic-skewed' nor a JSONL file")
+    max_length = args.max_length or (MODEL_CONFIGS[args.model].max_seq_len if args.model in MODEL_CONFIGS else 256)
+    budget = args.memory_budget_mib * 2**20 if args.memory_budget_mib else None
+    extra.update(_elastic_options(args))
+    return TrainOptions(args.model, args.world_size, args.dataset, args.steps, args.batch_size, max_length,
+                        tuple(c.spec() for c in configs), static, budget, args.micro_batch_tokens, buckets, args.lr,
+                        args.seed, args.zero1, getattr(args, "save_final", None), **extra)
+
+
+def _elastic_options(args) -> dict:
+    """--elastic MIN:MAX, --scale STEP:N, --redeploy STEP, --checkpoint-* checked and parsed."""
+    elastic = getattr(args, "elastic", None)
+    if elastic is None:
+        if getattr(args, "scale", None) or getattr(args, "redeploy", None):
+            raise SystemExit("hotswitch: --scale and --redeploy need --elastic MIN:MAX")
+        return {}
+    try:
+        low, high = (int(x) for x in elastic.split(":"))
+    except ValueError:
+        raise SystemExit(f"hotswitch: --elastic takes MIN:MAX worker counts, e.g. 2:4; got {elastic!r}") from None
+    if not 1 <= low <= args.world_size <= high:
+        raise SystemExit(
+            f"hotswitch: --elastic {elastic} must satisfy 1 <= MIN <= --world-size ({args.world_size}) <= MAX"
+        )
+    events = []
+    for spec in args.scale:
+        try:
+            step, n = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise SystemExit(f"hotswitch: --scale takes STEP:N, e.g. 3:2; got {spec!r}") from None
+        if not low <= n <= high or step < 0:
+            raise SystemExit(f"hotswitch: --scale {spec}: N must lie in --elastic {elastic} and STEP be >= 0")
+        events.append((step, "scale", n))
+    events += [(step, "redeploy", None) for step in args.redeploy]
+    if args.checkpoint_every < 1 or args.step_timeout <= 0:
+        raise SystemExit("hotswitch: need --checkpoint-every >= 1 and --step-timeout > 0")
+    directory = args.checkpoint_dir
+    if directory is None:
+        import tempfile
+
+        directory = tempfile.mkdtemp(prefix="hotswitch-checkpoints-")
+    return dict(elastic=(low, high), events=tuple(sorted(events)), checkpoint_dir=directory,
+                checkpoint_every=args.checkpoint_every, step_timeout=args.step_timeout)
+
+
+
+def _elastic_options(args) -> dict:
+    """--elastic MIN:MAX, --scale STEP:N, --redeploy STEP, --checkpoint-* checked and parsed."""
+    elastic = getattr(args, "elastic", None)
+    if elastic is None:
+        if getattr(args, "scale", None) or getattr(args, "redeploy", None):
+            raise SystemExit("hotswitch: --scale and --redeploy need --elastic MIN:MAX")
+        return {}
+    try:
+        low, high = (int(x) for x in elastic.split(":"))
+    except ValueError:
+        raise SystemExit(f"hotswitch: --elastic takes MIN:MAX worker counts, e.g. 2:4; got {elastic!r}") from None
+    if not 1 <= low <= args.world_size <= high:
+        raise SystemExit(
+            f"hotswitch: --elastic {elastic} must satisfy 1 <= MIN <= --world-size ({args.world_size}) <= MAX"
+        )
+    events = []
+    for spec in args.scale:
+        try:
+            step, n = (int(x) for x in spec.split(":"))
+        except ValueError:
+            raise SystemExit(f"hotswitch: --scale takes STEP:N, e.g. 3:2; got {spec!r}") from None
+        if not low <= n <= high or step < 0:
+            raise SystemExit(f"hotswitch: --scale {spec}: N must lie in --elastic {elastic} and STEP be >= 0")
+        events.append((step, "scale", n))
+    events += [(step, "redeploy", None) for step in args.redeploy]
+    if args.checkpoint_every < 1 or args.step_timeout <= 0:
+        raise SystemExit("hotswitch: need --checkpoint-every >= 1 and --step-timeout > 0")
+    directory = args.checkpoint_dir
+    if directory is None:
+        import tempfile
+
+        directory = tempfile.mkdtemp(prefix="hotswitch-checkpoints-")
+    return dict(elastic=(low, high), events=tuple(sorted(events)), checkpoint_dir=directory,
+                checkpoint_every=args.checkpoint_every, step_timeout=args.step_timeout)
+
+
+
+def run_train(args) -> int:
+    from hotswitch.distributed.launch import LaunchError, launch
+    from hotswitch.train.loop import summary_line
+
+    opts = options(args)
+    if opts.elastic is not None:
+        return _run_elastic_train(opts)
+    what = f"static {_name(opts.static)}" if opts.static else "configs " + ", ".join(_name(c) for c in opts.configs)
+    if opts.memory_budget:
+        what += f", memory budget {opts.memory_budget / 2**20:g} MiB per rank"
+    print(f"hotswitch train: {opts.model} on {opts.world_size} CPU processes (gloo), {what}; {opts.steps} steps of "
+          f"{opts.batch_size} sequences from {opts.dataset}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        result = launch(_train_worker, opts.world_size, opts)
+    except LaunchError as e:
+        print(f"hotswitch train: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(summary_line(result), flush=True)
+    if opts.save_final:
+        print(f"wrote {opts.save_final}", flush=True)
+    print(f"total {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+
+def _name(spec: str) -> str:
+    from hotswitch.distconfig import DistConfig
+
+    return DistConfig.parse(spec).name
+
+
+
+def _run_elastic_train(opts) -> int:
+    from hotswitch.elastic.membership import ElasticError, run_elastic
+
+    low, high = opts.elastic
+    configs = [opts.static] if opts.static else list(opts.configs)
+    print(f"hotswitch train --elastic {low}:{high}: {opts.model} on {opts.world_size} CPU worker processes (gloo), "
+          f"candidate configs {', '.join(_name(c) for c in configs)}; {opts.steps} steps of {opts.batch_size} "
+          f"sequences from {opts.dataset}; checkpoints every {opts.checkpoint_every} steps in {opts.checkpoint_dir}",
+          flush=True)
+    for step, kind, n in opts.events:
+        print(f"  planned: {kind}{'' if n is None else ' to ' + str(n) + ' workers'} before step {step}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        result = run_elastic(_elastic_worker, opts.world_size, opts, min_size=low, max_size=high,
+                             log=lambda m: print(m, flush=True))
+    except ElasticError as e:
+        print(f"hotswitch train: {e}", file=sys.stderr, flush=True)
+        return 1
+    for r in result["reconfigurations"]:
+        print(f"change {r['generation']} ({r['reason']}): {r['source']} -> {r['destination']} workers after step "
+              f"{r['step']}, state from {r['restored_from']}, {r['bytes_moved'] / 2**20:.2f} MiB moved in "
+              f"{r['move_seconds']:.2f} s, training again after {r['seconds']:.1f} s"
+              + (f", {r['replayed_steps']} steps replayed" if r["replayed_steps"] else ""), flush=True)
+    print(f"{result['steps']} steps on workers {', '.join(result['workers'])} under {', '.join(result['configs'])}; "
+          f"final loss {result['loss']:.4f}", flush=True)
+    if opts.save_final:
+        print(f"wrote {opts.save_final}", flush=True)
+    print(f"total {time.perf_counter() - t0:.1f} s", flush=True)
+    return 0
+
+
+
+def _elastic_worker(membership, opts):
+    """One elastic worker (also those spawned later): the same model, data and sample order everywhere."""
+    import warnings
+
+    import torch
+
+    from hotswitch.distconfig import DistConfig
+    from hotswitch.elastic import ElasticJob, Event
+    from hotswitch.train import data as D
+    from hotswitch.train.loop import build_model, load_dataset
+
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"hotswitch: .* could not be sharded")
+    candidates = [DistConfig.parse(c) for c in ([opts.static] if opts.static else opts.configs)]
+    vocab = build_model(opts).get_input_embeddings().num_embeddings
+    dataset = load_dataset(opts, vocab)
+    order = D.SampleOrder(len(dataset), opts.batch_size, seed=opts.seed)
+    multiple = math.lcm(16, *[c.tp for c in candidates if c.sp])
+    bounds = opts.buckets or D.choose_boundaries([len(s) for s in dataset], max(3, len(candidates)), multiple)
+
+    def batch(step):
+        ids = order.batch(step)
+        return ids, [dataset[i] for i in ids]
+
+    def on_step(report, replayed):
+        print(report.line() + (" (replayed)" if replayed else ""), flush=True)
+
+    options = dict(optimizer=dict(name="adamw", lr=opts.lr), memory_budget_bytes=opts.memory_budget, buckets=bounds,
+                   micro_batch_tokens=opts.micro_batch_tokens)
+    job = ElasticJob(membership, lambda: build_model(opts), candidates, batch, trainer_options=options,
+                     checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every,
+                     step_timeout_s=opts.step_timeout, on_step=on_step, log=lambda m: print(m, flush=True))
+    result = job.run(opts.steps, [Event(*e) for e in opts.events])
+    if opts.save_final and job.trainer is not None:
+        state = job.trainer.full_state_dict()  # every job worker takes part
+        if result is not None:
+            torch.save(state, opts.save_final)
+    return result
+
+
+
+def _train_worker(rank: int, opts) -> dict:
+    from hotswitch.train.loop import TrainingRun
+
+    run = TrainingRun(opts, [opts.static] if opts.static else list(opts.configs), rank)
+    result = run.train()
+    if opts.save_final:
+        import torch
+
+        state = run.trainer.full_state_dict()
+        if rank == 0:
+            torch.save(state, opts.save_final)
+    return result
+

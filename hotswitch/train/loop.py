@@ -1,0 +1,141 @@
+"""One Trainer over a dataset's seeded global batches, as `hotswitch train` and `hotswitch bench
+train` run it on every rank: the options, the model and dataset they name, and the run itself."""
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict, dataclass
+
+__all__ = ["HF_MODELS", "TrainOptions", "TrainingRun", "build_model", "load_dataset", "summary_line"]
+
+HF_MODELS = {"llama-tiny": "llama"}  # Hugging Face models built from a small config, random weights
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    model: str
+    world_size: int
+    dataset: str
+    steps: int
+    batch_size: int
+    max_length: int
+    configs: tuple[str, ...]
+    static: str | None
+    memory_budget: float | None  # bytes
+    micro_batch_tokens: int
+    buckets: tuple[int, ...] | None
+    lr: float
+    seed: int
+    zero1: bool
+    save_final: str | None
+    warmup_steps: int = 0  # steps run first and left out of the summary (compilation, profiling)
+    quiet: bool = False
+    elastic: tuple[int, int] | None = None  # (MIN, MAX) workers
+    events: tuple = ()  # (step, "scale", n) | (step, "redeploy", None)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 2
+    step_timeout: float = 30.0
+
+
+def build_model(opts: TrainOptions):
+    import torch
+
+    from hotswitch.models import build_hf_model, build_model
+
+    torch.manual_seed(opts.seed)  # identical weights on every rank
+    if opts.model in HF_MODELS:
+        return build_hf_model(HF_MODELS[opts.model]).model
+    return build_model(opts.model)
+
+
+
+def load_dataset(opts: TrainOptions, vocab_size: int):
+    from hotswitch.train import data as D
+
+    if opts.dataset == "synthetic-skewed":
+        return D.synthetic_skewed(max(opts.batch_size * opts.steps, 4 * opts.batch_size), vocab_size, opts.max_length,
+                                  seed=opts.seed)
+    return D.load_jsonl(opts.dataset, vocab_size)
+
+
+
+def summary_line(result: dict) -> str:
+    s = result["summary"]
+    return (f"{s['steps']} steps: {s['tokens_per_second']:,.0f} tokens/s, switching {s['switch_seconds']:.2f} s = "
+            f"{100 * s['switch_share']:.1f}% of step time, final loss {s['final_loss']:.4f}")
+
+
+
+class TrainingRun:
+    """One Trainer on this rank over the dataset's seeded global batches."""
+
+    def __init__(self, opts: TrainOptions, configs: list, rank: int, budget: float | None = None,
+                 bounds: tuple[int, ...] | None = None):
+        import warnings
+
+        from hotswitch.train import data as D
+        from hotswitch.train.trainer import Trainer
+
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=r"hotswitch: .* could not be sharded")  # replicated fallback, exact
+        self.opts, self.show = opts, rank == 0 and not opts.quiet
+        model = build_model(opts)
+        self.dataset = load_dataset(opts, model.get_input_embeddings().num_embeddings)
+        self.order = D.SampleOrder(len(self.dataset), opts.batch_size, seed=opts.seed)
+        # a static run keeps the hot run's buckets: short rows are cheaper under any config
+        self.trainer = Trainer(model, configs, dict(name="adamw", lr=opts.lr), budget or opts.memory_budget,
+                               buckets=bounds or opts.buckets,
+                               micro_batch_tokens=opts.micro_batch_tokens, zero1=opts.zero1,
+                               progress=(lambda m: print(m, flush=True)) if self.show else None)
+        if bounds is None and opts.buckets is None:
+            self.trainer.choose_buckets([len(s) for s in self.dataset])  # from the dataset's length distribution
+        self.bounds = self.trainer.bucket_bounds([len(s) for s in self.dataset])
+        self.reports = []
+
+    def train(self) -> dict:
+        """Warm-up steps, then the measured ones, with a progress bar; returns `result()`."""
+        from tqdm import tqdm
+
+        total = self.opts.warmup_steps + self.opts.steps
+        bar = tqdm(
+            total=total, desc="training", unit="step", disable=not self.show or None, leave=False, file=sys.stderr
+        )
+        for step in range(total):
+            self.step(step, write=tqdm.write)
+            bar.update()
+        bar.close()
+        return self.result()
+
+    def step(self, step: int, write=None) -> None:
+        report = self.trainer.step([self.dataset[i] for i in self.order.batch(step)])
+        warm = step < self.opts.warmup_steps
+        if not warm:
+            self.reports.append(report)
+        if self.show:
+            extra = f" (profile {report.profile_seconds:.1f}s, compile {report.compile_seconds:.1f}s)" \
+                if report.profile_seconds + report.compile_seconds > 0.05 else ""
+            (write or print)(report.line() + extra + (" [warm-up, not counted]" if warm else ""), file=sys.stdout)
+
+    def result(self) -> dict:
+        reports = self.reports
+        seconds = sum(r.seconds for r in reports)
+        switch = sum(r.switch_seconds for r in reports)
+        summary = dict(
+            steps=len(reports),
+            tokens=sum(r.tokens for r in reports),
+            seconds=seconds,
+            switch_seconds=switch,
+            tokens_per_second=sum(r.tokens for r in reports) / seconds,
+            switch_share=switch / seconds,
+            final_loss=reports[-1].loss,
+            losses=[r.loss for r in reports],
+        )
+        return dict(summary=summary, reports=[_report_dict(r) for r in reports], profile=self.trainer.cost.table(),
+                    base=self.trainer.base, budget=self.trainer.memory_budget_bytes)
+
+
+
+def _report_dict(report) -> dict:
+    d = asdict(report)
+    d.update(switch_seconds=report.switch_seconds, tokens_per_second=report.tokens_per_second)
+    return d
+
