@@ -71,6 +71,9 @@ class Decision:
     kwargs: dict = field(default_factory=dict)
     out_spec: Any = None  # spec (or tuple of specs) the op produces
     reduce_to: Any = None  # spec after the eager Partial reduction, if any
+    # chosen by DTensor's strategy search with the op's own arguments: its placements alone say what
+    # to do at another input shape (`ShardingDecisions`), no search needed
+    replayable: bool = False
 
     @property
     def spec(self):
@@ -95,6 +98,33 @@ def _view_source(node: fx.Node) -> fx.Node:
 class GraphSharding:
     decisions: dict[fx.Node, Decision]
     output_specs: list
+    keep_partial: frozenset = frozenset()  # nodes whose Partial values stay unreduced
+    replayed: int = 0  # decisions taken from `ShardingDecisions` instead of DTensor's search
+
+    def placements(self) -> ShardingDecisions:
+        """What was decided, without shapes: per searched op, the placements it wants its tensor
+        inputs in and the placements it produces."""
+        ops = {}
+        for node, d in self.decisions.items():
+            if d.kind == "op" and d.replayable:
+                # one output: its placements (a tuple); several: a list of those (None: not a tensor)
+                out = [None if o is None else o.placements for o in d.out_spec] \
+                    if isinstance(d.out_spec, (tuple, list)) else d.out_spec.placements
+                ops[node.name] = dt.encode_placements((tuple(w.placements for w in d.want_specs), out))
+        return ShardingDecisions(ops, frozenset(n.name for n in self.keep_partial))
+
+
+@dataclass(frozen=True)
+class ShardingDecisions:
+    """A config's sharding decisions for one graph, apart from shapes: node name -> (placements of
+    its tensor inputs, placements of its output). The graph is symbolic in batch and sequence, and
+    these placements do not depend on them, so lowering the graph for another input shape replays
+    them (a fake run per op for the new global shapes) instead of running DTensor's strategy search
+    again; ops whose arguments DTensor rewrites for its choice (views) are propagated anew. Plain
+    values: picklable, kept per config in memory and in the persistent cache (`hotswitch.compiler.cache`)."""
+
+    ops: dict[str, tuple]
+    keep_partial: frozenset[str]
 
 
 def _seq_dim(node: fx.Node, seq_symbol) -> int | None:
@@ -109,20 +139,27 @@ def _seq_dim(node: fx.Node, seq_symbol) -> int | None:
 
 def propagate_graph(graph: fx.Graph, mesh: dt.DeviceMesh, placeholder_specs: list, *, sp_axis: int | None = None,
                     seq_symbol=None, pinned_nodes: set[fx.Node] = frozenset(), strict: bool = True,
-                    keep_partial: set[fx.Node] | None = None, memo: dict | None = None) -> GraphSharding:
+                    keep_partial: set[fx.Node] | None = None, memo: dict | None = None,
+                    decided: ShardingDecisions | None = None) -> GraphSharding:
     """Decide placements for every node. `keep_partial=None` runs the policy's two passes. DTensor's
-    strategies run under hotswitch's policy only during this call (`_dtensor.propagation(memo)`)."""
+    strategies run under hotswitch's policy only during this call (`_dtensor.propagation(memo)`).
+    `decided`: this graph's decisions at another input shape, replayed where they apply."""
     with dt.propagation(memo):
+        if decided is not None and keep_partial is None:
+            keep_partial = {n for n in graph.nodes if n.name in decided.keep_partial}
         return _propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, seq_symbol=seq_symbol,
-                                pinned_nodes=pinned_nodes, strict=strict, keep_partial=keep_partial)
+                                pinned_nodes=pinned_nodes, strict=strict, keep_partial=keep_partial,
+                                decided=decided)
 
 
-def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, seq_symbol, pinned_nodes, strict, keep_partial):
+def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, seq_symbol, pinned_nodes, strict, keep_partial,
+                     decided=None):
     if keep_partial is None:
         first = propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, seq_symbol=seq_symbol,
                                 pinned_nodes=pinned_nodes, strict=strict, keep_partial=set())
         partial = {n for n, d in first.decisions.items() if d.kind == "op" and _has_partial(d.out_spec)}
         keep_partial = _partials_to_keep(graph, partial)
+    replayed = 0
     decisions: dict[fx.Node, Decision] = {}
     specs: dict[fx.Node, Any] = {}
     values: dict[fx.Node, Any] = {}
@@ -134,7 +171,11 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, seq_symbol, pin
             continue
         if node.op == "output":
             break
-        d = _decide(node, mesh, specs, values, pinned_nodes, strict)
+        d = _replay(node, decided.ops.get(node.name), mesh, specs, values) if decided is not None else None
+        if d is None:
+            d = _decide(node, mesh, specs, values, pinned_nodes, strict)
+        else:
+            replayed += 1
         if d.kind == "op" and _has_partial(d.out_spec) and node not in keep_partial:
             scatter = sp_axis is not None and _from_param_op(node, pinned_nodes)
             d.reduce_to = _reduction_target(d.out_spec, node, sp_axis if scatter else None, seq_symbol)
@@ -147,7 +188,39 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, seq_symbol, pin
         elif d.kind == "op":
             specs[node] = d.spec
     out = next(n for n in graph.nodes if n.op == "output")
-    return GraphSharding(decisions, [specs[a] for a in pytree.tree_leaves(out.args[0])])
+    return GraphSharding(decisions, [specs[a] for a in pytree.tree_leaves(out.args[0])], frozenset(keep_partial),
+                         replayed)
+
+
+def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
+    """The decision for `node` from its placements at another shape (see ShardingDecisions), or
+    None when there is nothing to replay or the inputs arrive in other placements than then."""
+    if placements is None:
+        return None
+    # fresh objects per use: DTensor's _MaskPartial (vocab-parallel embedding) carries the mask its
+    # input redistribution makes and its output reduction applies; decoding keeps that pair linked
+    want, out = dt.decode_placements(placements)
+    tensor_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
+    if len(tensor_nodes) != len(want) or any(n not in specs for n in tensor_nodes):
+        return None
+    concrete = lambda a: values.get(a, a) if isinstance(a, fx.Node) and not _is_tensor_node(a) else a  # noqa: E731
+    to_schema = lambda a: specs[a] if _is_tensor_node(a) else concrete(a)  # noqa: E731
+    args = pytree.tree_map(to_schema, node.args)
+    kwargs = pytree.tree_map(to_schema, dict(node.kwargs))
+    try:
+        metas = _fake_run(node.target, args, kwargs)
+    except Exception:  # noqa: BLE001 - replay is an optimization: propagate this op the usual way
+        return None
+    if isinstance(out, list) != isinstance(metas, (tuple, list)):
+        return None
+    if isinstance(out, list):
+        out_spec = tuple(None if p is None or not isinstance(m, torch.Tensor) else dt.make_spec(mesh, p, m)
+                         for p, m in zip(out, metas))
+    else:
+        out_spec = dt.make_spec(mesh, out, metas)
+    want_specs = [dt.DTensorSpec(mesh, w, specs[n].tensor_meta) for n, w in zip(tensor_nodes, want)]
+    return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes], want_specs=want_specs,
+                    args=args, kwargs=kwargs, out_spec=out_spec, replayable=True)
 
 
 def _partials_to_keep(graph: fx.Graph, partial: set[fx.Node]) -> set[fx.Node]:
@@ -255,10 +328,12 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
             if out.output_spec is not None:
                 redo = out.redistribute_schema
                 want = list(redo.args_spec) if redo is not None else [specs[n] for n in tensor_nodes]
-                if redo is not None and out.use_val_from_redistribute_schema:
+                rewritten = redo is not None and out.use_val_from_redistribute_schema
+                if rewritten:
                     args, kwargs = redo.args_schema, redo.kwargs_schema
                 return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
-                                want_specs=want, args=args, kwargs=kwargs, out_spec=out.output_spec)
+                                want_specs=want, args=args, kwargs=kwargs, out_spec=out.output_spec,
+                                replayable=not rewritten and len(want) == len(tensor_nodes))
             error = RuntimeError("no output sharding")
     if error is None:
         problem = f"no sharding rule for {target}"

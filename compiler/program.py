@@ -28,7 +28,8 @@ import torch.fx as fx
 
 from . import _dtensor as dt
 from ._torch import pytree
-from .lower import OutputPlan, StageOutputPlan, lower, propagate_graph
+from .cache import DecisionCache
+from .lower import OutputPlan, ShardingDecisions, StageOutputPlan, lower, propagate_graph
 from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
 from .trace import LogicGraph
@@ -73,7 +74,10 @@ class StageProgram:
     recv_grads: list[tuple[tuple[int, ...], torch.dtype]]
     deferred_specs: list  # DTensorSpecs of (losses..., param grads...) as the program returns them
     param_specs: list  # DTensorSpecs of the stage's parameters
-    seconds: float = 0.0
+    seconds: float = 0.0  # lowering in all
+    propagate_seconds: float = 0.0  # of which deciding placements (DTensor's strategy search, or a replay)
+    decisions: ShardingDecisions | None = None  # the placements decided, apart from shapes
+    replayed: int = 0  # ops whose placements were replayed from earlier decisions
 
 
 def _concrete(size, values: dict) -> int:
@@ -89,9 +93,13 @@ def _leaves(graph: fx.Graph) -> list[fx.Node]:
 
 def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buffers: list[torch.Tensor],
                   local_shapes: tuple, input_dtypes: list[torch.dtype], *, train: bool, reduce: bool = False,
-                  strict: bool = True, memo: dict | None = None) -> StageProgram:
+                  strict: bool = True, memo: dict | None = None, decided: ShardingDecisions | None = None,
+                  cache: DecisionCache | None = None) -> StageProgram:
     """Lower one stage (None: the whole model) for local micro-batches of `local_shapes` (this rank's
-    rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`)."""
+    rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`);
+    `decided`: the same graph's decisions under the same placements at another shape, replayed
+    instead of searched (the program's `decisions` are what to pass next time); `cache`: a persistent
+    DecisionCache consulted when `decided` is None, and filled after a search."""
     t0 = time.perf_counter()
     if reduce and stage is not None:
         raise ValueError("reduce=True lowers a whole model (stage=None); pipeline stages defer their reduction")
@@ -141,8 +149,18 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         specs.append(dt.make_spec(mesh, placements, torch.empty(shape, dtype=dtype, device="meta")))
     specs += [boundary_spec(ph.meta["val"]) for ph in boundary]
     n_acts_in = len(stage.acts_in) if stage is not None else 0
+    key = None
+    if decided is None and cache is not None:
+        key = cache.key(graph.python_code("self").src, tuple(mesh.mesh.shape), mesh.mesh_dim_names, dp, where.sp,
+                        strict, [dt.encode_placements(where.param_placements[n]) for n in param_names],
+                        [(tuple(b.shape), b.dtype) for b in buffers], list(input_dtypes), ndim)
+        decided = cache.get(key)
+    t_propagate = time.perf_counter()
     sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None, seq_symbol=seq_sym,
-                               pinned_nodes=param_views(graph, n_p), strict=strict, memo=memo)
+                               pinned_nodes=param_views(graph, n_p), strict=strict, memo=memo, decided=decided)
+    propagate_seconds = time.perf_counter() - t_propagate
+    if key is not None and decided is None:
+        cache.put(key, sharding.placements())
     local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype) for s in specs]
     n_losses = 2 if is_last else 1
     if reduce:
@@ -169,4 +187,5 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         joint=gm, forward=forward, backward=backward, train=train, is_last=is_last, n_acts_out=n_out,
         n_losses=n_losses, n_params=n_p, send_grads=tuple(dtype.is_floating_point for _, dtype in recv_acts),
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=[sharding.output_specs[i] for i in deferred],
-        param_specs=specs[:n_p], seconds=time.perf_counter() - t0)
+        param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
+        decisions=sharding.placements(), replayed=sharding.replayed)

@@ -23,7 +23,7 @@ import torch.fx.traceback as fx_traceback
 from torch.export import Dim, export
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ._torch import OpOverload, core_aten_decompositions, is_mutable, pytree
+from ._torch import OpOverload, core_aten_decompositions, detect_fake_mode, is_mutable, pytree
 
 aten = torch.ops.aten
 
@@ -66,12 +66,15 @@ class LogicGraph:
         return len(self.param_names)
 
 
-def _decompose(gm: fx.GraphModule, flat_inputs: list) -> fx.GraphModule:
+def _decompose(gm: fx.GraphModule, fake_inputs: list) -> fx.GraphModule:
     """Core-ATen forward graph of the exported training IR.
 
-    One symbolic make_fx pass with our decomposition table: composite ops (matmul, linear) decompose
-    in C++ here, where `ExportedProgram.run_decompositions` runs them as Python decompositions under
-    symbolic shapes, about 6x slower. The interpreter hands every node's source line and module path on.
+    One make_fx pass with our decomposition table over the exported graph, fed the export's own
+    fake inputs: their sizes are the export's symbols, so the pass reasons in the shape environment
+    export already solved (2 symbols for a [batch, seq] model) instead of building a fresh one
+    with a symbol per input dim, which cost 20x more in guard evaluation. Composite ops (matmul,
+    linear) decompose in C++ here, where `ExportedProgram.run_decompositions` runs them as Python
+    decompositions, about 6x slower. The interpreter hands every node's source line and module path on.
     """
     def run(*args):
         with fx_traceback.preserve_node_meta():
@@ -80,10 +83,10 @@ def _decompose(gm: fx.GraphModule, flat_inputs: list) -> fx.GraphModule:
     with (
         torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH),
         warnings.catch_warnings(),
-        _no_duck_sizing(),
+        detect_fake_mode(fake_inputs),
     ):
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        return make_fx(run, decomposition_table=decomposition_table(), tracing_mode="symbolic")(*flat_inputs)
+        return make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake")(*fake_inputs)
 
 
 def _no_duck_sizing():
@@ -235,14 +238,7 @@ def trace(
     example_inputs = tuple(example_inputs)
     if dynamic_dims is None:
         dynamic_dims = {i: (0, 1) for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.dim() >= 2}
-    dyn_shapes = tuple(
-        {d: Dim.AUTO for d in dynamic_dims.get(i, ())} if isinstance(x, torch.Tensor) else None
-        for i, x in enumerate(example_inputs)
-    )
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings():
-        # torch 2.13's own pytree use warns on every export; nothing for the user to act on
-        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        ep = export(model, example_inputs, dynamic_shapes=dyn_shapes, strict=False)
+    ep = _export(model, example_inputs, dynamic_dims)
     sig = ep.graph_signature
     if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
         raise ValueError("the model mutates buffers or inputs in forward (e.g. running statistics); "
@@ -266,7 +262,8 @@ def trace(
         **dict(model.named_buffers(remove_duplicate=False)),
         **dict(model.named_parameters(remove_duplicate=False)),
     }
-    fwd = _decompose(ep.graph_module, [state[n].detach() for n in param_names + buffer_names] + list(example_inputs))
+    fake_inputs = [n.meta["val"] for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
+    fwd = _decompose(ep.graph_module, fake_inputs)
     _fold_static_sizes(fwd, len(param_names) + len(buffer_names))
     canon = {id(p): n for n, p in model.named_parameters()}
     aliases = {k: canon[id(v)] for k, v in model.named_parameters(remove_duplicate=False) if canon[id(v)] != k}
@@ -277,7 +274,7 @@ def trace(
     params = [state[n].detach() for n in param_names]
     buffers = [state[n].detach() for n in buffer_names]
 
-    joint = _make_joint(fwd, len(params), split, params, buffers, example_inputs)
+    joint = _make_joint(fwd, len(params), len(buffers))
     return LogicGraph(
         forward=fwd, joint=joint, param_names=param_names, buffer_names=buffer_names,
         param_shapes={n: p.shape for n, p in zip(param_names, params)},
@@ -297,7 +294,39 @@ def seq_symbol(graph: fx.Graph, num_inputs: int):
     return None
 
 
-def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffers, inputs) -> fx.GraphModule:
+def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int, tuple[int, ...]]):
+    """torch.export (non-strict) with the batch and sequence dims dynamic. Inputs of equal example
+    sizes first share one `Dim` per dim (ids, positions and labels are all [batch, seq]: 2 symbols,
+    not 6, and simpler guards everywhere after); a model that needs them apart gets `Dim.AUTO`."""
+    def shapes(shared: bool):
+        out = []
+        for i, x in enumerate(example_inputs):
+            if not isinstance(x, torch.Tensor):
+                out.append(None)
+                continue
+            dims = {}
+            for d in dynamic_dims.get(i, ()):
+                dims[d] = Dim(f"d{d}_{x.shape[d]}", min=1) if shared else Dim.AUTO
+            out.append(dims)
+        return tuple(out)
+
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings():
+        # torch 2.13's own pytree use warns on every export; nothing for the user to act on
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        try:
+            return export(model, example_inputs, dynamic_shapes=shapes(True), strict=False)
+        except Exception:  # noqa: BLE001 - the shared dims were a guess (a size 1 specializes, say): let export infer
+            return export(model, example_inputs, dynamic_shapes=shapes(False), strict=False)
+
+
+def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.GraphModule:
+    """The forward and backward as one graph: (params, buffers, inputs) -> (outputs..., grad per
+    param...), traced (like `_decompose`) with the forward's own fake values and shape environment."""
+    vals = [n.meta["val"] for n in fwd.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode(vals)
+    params, buffers = vals[:num_params], vals[num_params:num_params + num_buffers]
+    inputs = vals[num_params + num_buffers:]
+
     def joint(params, buffers, inputs):
         # An Interpreter under preserve_node_meta hands each forward node's source line and module
         # path on to the joint graph (error messages and per-block collective counts use them).
@@ -308,19 +337,18 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, split: bool, params, buffe
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
         return (*outs, *grads)
 
-    p = [x.clone().requires_grad_(x.is_floating_point()) for x in params]
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), _no_duck_sizing():
-        gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="symbolic")(
-            p, list(buffers), list(inputs)
-        )
+    with fake_mode:
+        p = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in params]
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), fake_mode:
+        trace_joint = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="fake")
+        gm = trace_joint(p, list(buffers), list(inputs))
         if any(is_mutable(n.target) for n in gm.graph.nodes):
             # A sharded program may not mutate (an in-place write into a view would land in a
             # redistributed copy): trace the joint graph once more, functionalized.
             functional = torch.func.functionalize(gm, remove="mutations")
-            with _no_duck_sizing():
-                gm = make_fx(functional, tracing_mode="symbolic")([x.detach() for x in p], list(buffers), list(inputs))
+            gm = make_fx(functional, tracing_mode="fake")([x.detach() for x in p], list(buffers), list(inputs))
     _drop_identity_slices(gm)
-    _fold_static_sizes(gm, len(params) + len(buffers))
+    _fold_static_sizes(gm, num_params + num_buffers)
     gm = _cse(gm)
     _normalize_reduce_dims(gm)
     return gm

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import re
 from collections import Counter
 
@@ -106,3 +107,31 @@ def forward_collectives_per_block(gm) -> dict[str, dict[str, int]]:
         key = blocks[-1] if blocks else "outside blocks"
         out.setdefault(key, Counter())[_kind(n)] += 1
     return {k: dict(v) for k, v in out.items()}
+
+
+def replay_equals_fresh(kind: str, config, seqs=(SEQ, 20), **overrides) -> dict:
+    """Lower `config` at seqs[0] then at seqs[1] (the second replays the first's decisions) and, in
+    another compiled model, at seqs[1] directly (DTensor's search): the same placements, the same
+    collectives and the same numbers."""
+    model = make_model(kind, **overrides)
+    first, later = batch(seq=seqs[0]), batch(seq=seqs[1])
+    os.environ["HOTSWITCH_CACHE"] = "0"  # the fresh lowering must search, not find the first one's decisions
+    try:
+        replayed = hs.compile(model, first, configs=[config])
+        fresh = hs.compile(model, later, configs=[config], logic=replayed.logic)  # same graph, its own decisions
+    finally:
+        del os.environ["HOTSWITCH_CACHE"]
+    shapes = tuple(tuple(x.shape) for x in later)
+    out = {}
+    for label, cm in (("replayed", replayed), ("fresh", fresh)):
+        gm = cm.exec_graph(config.name, shapes)
+        sharding = gm.meta["hotswitch"]["sharding"]
+        placements = {n.name: str((tuple(tuple(w.placements) for w in d.want_specs),
+                                   d.spec.placements if hasattr(d.spec, "placements") else None))
+                      for n, d in sharding.decisions.items() if d.kind == "op"}
+        coll = [(str(n.target), tuple(a for a in n.args[1:] if not isinstance(a, str))) for n in collectives(gm)]
+        cm.zero_grad()
+        loss = cm.forward_backward(*cm.shard_inputs(*later))
+        out[label] = dict(placements=placements, collectives=coll, loss=float(loss), replayed=sharding.replayed,
+                          grads={k: v.clone() for k, v in cm.full_grads().items()})
+    return out

@@ -3,6 +3,8 @@
 - ``TRITON_INTERPRET=1``: Triton kernels run on CPU through the interpreter. It must be set before a
   kernel is defined. Export ``TRITON_INTERPRET=0`` to run the kernels on a GPU instead.
 - ``OMP_NUM_THREADS=1``: tests spawn several worker processes on small machines; one thread each.
+- ``HOTSWITCH_CACHE_DIR``: a fresh directory per test session, so the suite starts with a cold
+  compile cache (never the user's) and later modules reuse what earlier ones decided.
 - The repository root goes on ``sys.path`` so that ``import tests.distributed``, ``hotswitch`` etc.
   work without an install. Worker processes spawned by ``tests.distributed`` inherit both the
   environment and ``sys.path``.
@@ -13,6 +15,10 @@ import sys
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "HOTSWITCH_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["HOTSWITCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="hotswitch-test-cache-")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:

@@ -28,7 +28,7 @@ When a test needs the returned values, use the module-scoped fixture instead::
         values = results["check_all_reduce"].raise_if_failed()   # list, one value per rank
         assert [v.item() for v in values] == [10.0] * 4
 
-Both call ``run_checks(world_size, checks, timeout=600, env=None, *, check_timeout=None,
+Both call ``run_checks(world_size, checks, timeout=None, env=None, *, check_timeout=None,
 collective_timeout=None) -> dict[str, CheckResult]`` (keyword arguments pass through), which never
 raises for a failing check: ``CheckResult(name, ok, values, errors, seconds, rank_seconds, status,
 skipped)``, one entry per rank in the lists; ``raise_if_failed()`` raises AssertionError with the
@@ -147,10 +147,19 @@ class CheckResult:
 # running checks
 
 
+DEFAULT_TIMEOUT_S = 1200  # a whole module's run, scaled by HOTSWITCH_TEST_TIMEOUT_SCALE
+
+
+def scaled(seconds: float) -> float:
+    """A test's wall-clock limit times HOTSWITCH_TEST_TIMEOUT_SCALE (default 1): limits exist to turn a
+    hang into a failure, and a slow or busy machine raises them instead of failing."""
+    return seconds * float(os.environ.get("HOTSWITCH_TEST_TIMEOUT_SCALE", "1"))
+
+
 def run_checks(
     world_size: int,
     checks: Sequence[Callable[[], Any]],
-    timeout: float = 600,
+    timeout: float | None = None,
     env: dict[str, str] | None = None,
     *,
     check_timeout: float | None = None,
@@ -159,8 +168,12 @@ def run_checks(
     """Run ``checks`` in order on ``world_size`` spawned gloo processes; see the module docstring.
 
     Returns one CheckResult per check, keyed by the check's ``__name__``, in order. Does not raise
-    for failing checks, crashes or timeouts: those become failed results.
+    for failing checks, crashes or timeouts: those become failed results. ``timeout`` defaults to
+    1200 s times ``HOTSWITCH_TEST_TIMEOUT_SCALE`` (default 1): raise it on a slow or busy machine;
+    an abort names the check each rank was in.
     """
+    if timeout is None:
+        timeout = scaled(DEFAULT_TIMEOUT_S)
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     names = [_check_name(c) for c in checks]

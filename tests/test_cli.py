@@ -11,6 +11,7 @@ import hotswitch.cli as cli
 from hotswitch.cli import common, demo
 from hotswitch.distconfig import DistConfig
 from hotswitch.distributed.launch import LaunchError, launch
+from tests.distributed import scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +32,7 @@ def test_demo_end_to_end():
         "--seq",
         "16",
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(600))
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out}\n{proc.stderr}"
     for name, title in [("dp4", "dp=4 tp=1 sp=off"), ("dp2tp2", "dp=2 tp=2 sp=off"), ("tp4sp", "dp=1 tp=4 sp=on")]:
@@ -107,6 +108,6 @@ def _fails_on_rank1(rank, tag):
 
 def test_launch_reraises_a_ranks_traceback():
     with pytest.raises(LaunchError) as info:
-        launch(_fails_on_rank1, 2, "boom", timeout=120)
+        launch(_fails_on_rank1, 2, "boom", timeout=scaled(300))
     assert info.value.rank == 1
     assert "rank 1 failed" in str(info.value) and "ValueError: boom sum=3.0 world=2 omp=1" in str(info.value)

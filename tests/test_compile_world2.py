@@ -88,7 +88,32 @@ def check_op_without_rule_non_strict():
     assert max(rel_err(grads[n], grads_ref[n]) for n in grads_ref) < 1e-5
 
 
+def check_a_warm_cache_replays_decisions():
+    """A second compiled model (as another process would be) finds the first one's decisions on disk
+    and replays them: no strategy search, the same collectives, the same numbers."""
+    import os
+    import tempfile
+
+    from hotswitch.compiler.lower import collectives
+
+    os.environ["HOTSWITCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="warm-")  # cold for this check
+    model, inputs = make_model("gpt"), batch()
+    config = hs.DistConfig("tp2sp", tp=2, sp=True)
+    out = []
+    logic = None
+    for _ in range(2):
+        cm = hs.compile(model, inputs, [config], logic=logic)
+        logic = cm.logic
+        gm = cm.exec_graph("tp2sp")
+        program = next(iter(cm._state("tp2sp").programs.values()))
+        loss = cm.forward_backward(*cm.shard_inputs(*inputs))
+        out.append(dict(replayed=program.replayed, loss=float(loss), cache=(cm._cache.hits, cm._cache.misses),
+                        collectives=[str(n.target) for n in collectives(gm)]))
+    return out
+
+
 results = dist_fixture(2, [check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
+                           check_a_warm_cache_replays_decisions,
                            check_wrong_device_count, check_tp_not_dividing_heads, check_unknown_config,
                            check_op_without_rule, check_op_without_rule_non_strict])
 
@@ -128,3 +153,10 @@ def test_op_without_sharding_rule_names_node_and_source(results):
 
 def test_op_without_rule_runs_replicated_when_not_strict(results):
     results["check_op_without_rule_non_strict"].raise_if_failed()
+
+
+def test_a_warm_cache_replays_decisions(results):
+    for cold, warm in results["check_a_warm_cache_replays_decisions"].raise_if_failed():
+        assert cold["replayed"] == 0 and cold["cache"] == (0, 1)  # searched, then stored
+        assert warm["replayed"] > 100 and warm["cache"] == (1, 0)  # found and replayed
+        assert warm["collectives"] == cold["collectives"] and warm["loss"] == cold["loss"]

@@ -1,9 +1,17 @@
 """Compiled ExecGraphs on 4 gloo processes: equal to single-device training, Megatron's collectives."""
 
 import pytest
+import torch
 
 import hotswitch as hs
-from tests.compile_checks import assert_equivalent, batch, collective_counts, forward_collectives_per_block, make_model
+from tests.compile_checks import (
+    assert_equivalent,
+    batch,
+    collective_counts,
+    forward_collectives_per_block,
+    make_model,
+    replay_equals_fresh,
+)
 from tests.distributed import dist_fixture
 
 pytestmark = pytest.mark.slow  # spawns gloo processes and compiles; `-m 'not slow'` leaves it out
@@ -54,8 +62,14 @@ def check_wrong_device_count():
     raise AssertionError("a config of 8 devices compiled on 4 processes")
 
 
+def check_replayed_decisions_equal_a_fresh_lowering():
+    """A new sequence length under a 2-D mesh replays the first length's decisions (no strategy search)."""
+    return replay_equals_fresh("llama", hs.DistConfig("dp2tp2", dp=2, tp=2))
+
+
 results = dist_fixture(4, [check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
-                           check_collectives_gpt, check_collectives_llama, check_wrong_device_count])
+                           check_collectives_gpt, check_collectives_llama, check_wrong_device_count,
+                           check_replayed_decisions_equal_a_fresh_lowering])
 
 
 def test_gpt_matches_single_device(results):
@@ -107,3 +121,13 @@ def test_equivalence_reports_dp_has_one_gradient_bucket(results):
 def test_wrong_device_count_names_problem_and_fix(results):
     (message, *_) = results["check_wrong_device_count"].raise_if_failed()
     assert "8" in message and "4" in message and "dp*tp*pp" in message, message
+
+
+def test_a_new_length_replays_decisions_and_equals_a_fresh_lowering(results):
+    for out in results["check_replayed_decisions_equal_a_fresh_lowering"].raise_if_failed():
+        replayed, fresh = out["replayed"], out["fresh"]
+        assert replayed["replayed"] > 100 and fresh["replayed"] == 0  # most ops replayed, none searched anew
+        assert replayed["placements"] == fresh["placements"]
+        assert replayed["collectives"] == fresh["collectives"] and fresh["collectives"]
+        assert replayed["loss"] == fresh["loss"]
+        assert all(torch.equal(replayed["grads"][k], v) for k, v in fresh["grads"].items())

@@ -58,6 +58,7 @@ def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
 
     def batch(step):
         if kill is not None and (membership.wid, step) == kill:  # die in the middle of this step
+            _wait_for_checkpoint(checkpoint_dir, step)
             threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGKILL)).start()
         ids = order.batch(step)
         return ids, [dataset[i] for i in ids]
@@ -76,6 +77,23 @@ def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
     if result is not None:
         result.update(final=final)
     return result
+
+
+def _wait_for_checkpoint(directory: str, step: int) -> None:
+    """Block until the asynchronous checkpoint of `step` is complete (manifest written), so that the
+    test's failure finds it whatever the machine's load: the save runs in background threads, which
+    this wait does not hold up. Bounded by HOTSWITCH_TEST_TIMEOUT_SCALE x 300 s."""
+    import time
+
+    from hotswitch.elastic import checkpoint as ckpt
+
+    deadline = time.monotonic() + 300 * float(os.environ.get("HOTSWITCH_TEST_TIMEOUT_SCALE", "1"))
+    while time.monotonic() < deadline:
+        latest = ckpt.latest(directory)  # complete ones only: named step-<step>
+        if latest is not None and int(os.path.basename(latest).rpartition("-")[2]) >= step:
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"the checkpoint of step {step} in {directory} was not complete after the deadline")
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,8 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
+from tests.distributed import scaled
+
 ROOT = Path(__file__).resolve().parent.parent
 # Top-level folder (as installed: hotswitch.<name>) -> layer; a module may import only its own layer
 # and those below it. `models` (built-in models) is plain torch; `distributed` starts processes.
@@ -86,7 +88,8 @@ def test_no_import_cycle_and_no_module_imports_a_higher_layer():
 def _run_outside(code: str) -> subprocess.CompletedProcess:
     """Python in a directory outside the checkout, without the checkout on sys.path."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    return subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, env=env,
+                          timeout=scaled(300))
 
 
 def test_one_top_level_name_when_installed():

@@ -16,6 +16,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from hotswitch.compiler import _dtensor as dt
+from hotswitch.compiler.cache import default_cache
+from hotswitch.compiler.lower import ShardingDecisions
 from hotswitch.compiler.program import StageMesh, StageProgram, lower_program
 from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
@@ -47,6 +49,8 @@ class ConfigState:
     stage: int = 0
     copy_groups: dict[tuple, object] = field(default_factory=dict)  # stages sharing a parameter -> this rank's group
     reductions: dict[tuple, fx.GraphModule] = field(default_factory=dict)
+    # (train, stage) -> the placements decided for that graph at its first shape: later shapes replay them
+    decisions: dict[tuple, ShardingDecisions] = field(default_factory=dict)
 
     @property
     def where(self) -> StageMesh:
@@ -79,12 +83,16 @@ class CompiledModel:
         self.last_switch: SwitchStats | None = None
         self._configs = tuple(configs)
         self._example_inputs = tuple(example_inputs)
-        report = progress or (lambda message: None)
-        report("tracing")
+        self._report = report = progress or (lambda message: None)
         t0 = time.perf_counter()
         # `logic`: this model's LogicGraph from an earlier compile (elastic changes re-compile, not re-trace)
+        if logic is None:
+            report("tracing the model (torch.export, core ATen, joint forward + backward graph)")
         self.logic: LogicGraph = logic if logic is not None else trace(model, self._example_inputs)
         self.trace_seconds = time.perf_counter() - t0
+        if logic is None:
+            report(f"traced in {self.trace_seconds:.1f} s: {len(self.logic.joint.graph.nodes)} nodes, "
+                   f"{len(self.logic.param_names)} parameters")
         self.roles: TPRoles = infer_tp_roles(
             self.logic.forward.graph, self.logic.param_names, len(self.logic.buffer_names)
         )
@@ -105,9 +113,9 @@ class CompiledModel:
         self._param_states: dict[str, dict[str, torch.Tensor]] = {}
         self._global_shapes: dict[tuple, tuple] = {}
         self._propagation_memo: dict = {}  # DTensor propagation results shared by this model's lowerings
+        self._cache = default_cache()  # sharding decisions shared with other processes (HOTSWITCH_CACHE=0: off)
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
-            report(f"compiling {c.name}")
             self.exec_graph(c.name, shapes)
         # ranks start from identical full weights: each keeps its pieces under the first config
         self._local = self._pieces(
@@ -599,9 +607,17 @@ class CompiledModel:
         key = (tuple(tuple(s) for s in local_shapes), train, reduce)
         if key not in st.programs:
             stage = self._split(st.config.pp).stages[st.stage] if st.full_mesh is not None else None
+            graph = (train, st.stage)
+            what = f"{st.config.name} for local {'micro-batches' if not reduce else 'inputs'} {list(key[0][0])}" + (
+                "" if train else " (forward only)") + (f", stage {st.stage}" if stage is not None else "")
+            self._report(f"lowering {what}")
             program = lower_program(self.logic, stage, st.where, self._buffers, key[0],
                                     [x.dtype for x in self._example_inputs], train=train, reduce=reduce,
-                                    strict=self.strict, memo=self._propagation_memo)
+                                    strict=self.strict, memo=self._propagation_memo, decided=st.decisions.get(graph),
+                                    cache=self._cache)
+            st.decisions.setdefault(graph, program.decisions)
+            how = f"{program.replayed} placements replayed" if program.replayed else "placements searched"
+            self._report(f"lowered {what} in {program.seconds:.1f} s ({how} in {program.propagate_seconds:.1f} s)")
             st.programs[key] = program
             st.compile_seconds[key] = program.seconds
         return st.programs[key]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict, dataclass
 
+from hotswitch.progress import Progress
+
 __all__ = ["HF_MODELS", "TrainOptions", "TrainingRun", "build_model", "load_dataset", "summary_line"]
 
 HF_MODELS = {"llama-tiny": "llama"}  # Hugging Face models built from a small config, random weights
@@ -85,7 +87,7 @@ class TrainingRun:
         self.trainer = Trainer(model, configs, dict(name="adamw", lr=opts.lr), budget or opts.memory_budget,
                                buckets=bounds or opts.buckets,
                                micro_batch_tokens=opts.micro_batch_tokens, zero1=opts.zero1,
-                               progress=(lambda m: print(m, flush=True)) if self.show else None)
+                               progress=Progress() if self.show else None)
         if bounds is None and opts.buckets is None:
             self.trainer.choose_buckets([len(s) for s in self.dataset])  # from the dataset's length distribution
         self.bounds = self.trainer.bucket_bounds([len(s) for s in self.dataset])
@@ -138,4 +140,5 @@ def _report_dict(report) -> dict:
     d = asdict(report)
     d.update(switch_seconds=report.switch_seconds, tokens_per_second=report.tokens_per_second)
     return d
+
 

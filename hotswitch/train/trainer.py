@@ -190,9 +190,8 @@ class Trainer:
         self.loss_module = PackedCausalLMLoss(model)
         self.pack = self.loss_module.can_pack
         example = D.full_length_micro_batch(2, self.length_multiple)
-        self._report("tracing the model")
         self.cm: CompiledModel = hs_compile(self.loss_module, example, self.configs, lazy=True, topology=topology,
-                                            strict=strict, logic=logic)
+                                            strict=strict, logic=logic, progress=self._report)
         self.cm.grad_dtype = torch.float32
         self.cost = CostModel(memory_budget_bytes)
         self.step_count = 0
