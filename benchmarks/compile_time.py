@@ -1,14 +1,17 @@
-"""Compile time of a GPT-2-small-sized model (12 layers, 768 wide, 12 heads, 50257 vocab) per DistConfig.
+"""Compile time against depth and against the number of sequence lengths, cold and warm cache.
 
-    python benchmarks/compile_time.py [--json PATH] [--model gpt2-small] [--configs dp4,dp2tp2,tp4,tp4sp]
+    python benchmarks/compile_time.py [--layers 2,8] [--lengths 1,4] [--configs dp2tp2,tp4sp]
+                                      [--world-size 4] [--json PATH]
 
-Config names are dp<N>tp<M>pp<K>[sp] with any part left out (dp2pp2, tp2pp2sp). Under pp > 1 the
-lowering time is the slowest rank's time for its stage (ranks of different stages lower different
-graphs), and the ExecGraph shown is rank 0's stage (its gradient reduction is a separate program).
-
-Spawns --world-size gloo processes (hotswitch.launch), traces the model once per rank and lowers it
-for every config; prints the trace time, each config's lowering time (the slowest rank's), and the
-size of rank 0's ExecGraph: nodes and collectives by phase (fwd | bwd | grad reduce).
+The model is a Hugging Face Llama (hidden 256, 8 heads, intermediate 512, random weights) with
+`--layers` layers, trained on packed rows (`PackedCausalLMLoss`: input ids, positions, labels) of
+micro-batch 4 x 64 tokens. For each depth, `--world-size` gloo processes run `hs.compile` (one
+trace, then every config lowered at length 64) and then lower each config at `n - 1` further
+lengths (128, 192, ...) for each n of `--lengths`: the first lowering of a config searches
+DTensor's strategies, later lengths replay its decisions. Each depth runs twice in fresh
+processes, first with an empty compile cache (cold) and then with the cache the first run left
+(warm: decisions replayed from disk). For scale, rank 0 also times `torch.export` of the same
+model alone. Times are the slowest rank's.
 """
 from __future__ import annotations
 
@@ -17,102 +20,122 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 import warnings
 
 
-def measure(rank: int, model_name: str, config_names: tuple[str, ...], batch: int, seq: int) -> dict | None:
+def _model(layers: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from hotswitch.models import PackedCausalLMLoss
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=layers,
+                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=1024, use_cache=False)
+    return PackedCausalLMLoss(LlamaForCausalLM(config))
+
+
+def measure(rank: int, layers: int, config_names: tuple[str, ...], lengths: int) -> dict | None:
     import torch
     import torch.distributed as dist
 
     import hotswitch as hs
-    from hotswitch.cli.demo import synthetic_batch
-    from hotswitch.compiler.lower import count_collectives
-    from hotswitch.distconfig import DistConfig
-    from hotswitch.models import build_model
+    from hotswitch.train.data import full_length_micro_batch
 
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-    say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
-    torch.manual_seed(0)
-    model = build_model(model_name)
-    ids, labels = synthetic_batch(model.cfg.vocab_size, batch, seq, seed=1)
-    configs = [DistConfig.parse(n) for n in config_names]
-    n_params = sum(p.numel() for p in model.parameters())
-
-    say(f"tracing {model_name} ({n_params / 1e6:.1f}M parameters) and compiling {', '.join(config_names)} "
-        f"on {dist.get_world_size()} ranks ...")
+    warnings.filterwarnings("ignore")
+    model = _model(layers)
+    export_seconds = None
+    if rank == 0:
+        inputs = full_length_micro_batch(4, 64)
+        t = time.perf_counter()
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            dims = {0: torch.export.Dim.AUTO, 1: torch.export.Dim.AUTO}
+            torch.export.export(model, inputs, dynamic_shapes=tuple(dims for _ in inputs), strict=False)
+        export_seconds = time.perf_counter() - t
+    dist.barrier()
     t = time.perf_counter()
-    cm = hs.compile(model, (ids, labels), configs=configs)
+    cm = hs.compile(model, full_length_micro_batch(4, 64), configs=list(config_names))
     total = time.perf_counter() - t
-    mine = {"trace": cm.trace_seconds, "total": total,
-            "lower": {c.name: cm.compile_seconds(c.name) for c in configs}}
+    first = {c: cm.compile_seconds(c) for c in config_names}
+    later: dict[str, list[float]] = {c: [] for c in config_names}
+    for c in config_names:
+        for k in range(1, lengths):
+            t = time.perf_counter()
+            cm.exec_graph(c, ((4, 64 * (k + 1)),) * 3)
+            later[c].append(time.perf_counter() - t)
+    mine = {"trace": cm.trace_seconds, "total": total, "first": first, "later": later}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if rank != 0:
         return None
-    rows = []
-    for c in configs:
-        gm = cm.exec_graph(c.name)
-        rows.append({
-            "config": c.name, "dp": c.dp, "tp": c.tp, "pp": c.pp, "sp": c.sp,
-            "lower_s": max(r["lower"][c.name] for r in everyone),
-            "lower_s_per_rank": [r["lower"][c.name] for r in everyone],
-            "nodes": len(gm.graph.nodes),
-            "collectives": {phase: dict(count_collectives(gm, phase)) for phase in ("forward", "backward", "reduce")},
-        })
-    return {
-        "model": model_name,
-        "parameters": n_params,
-        "batch": batch,
-        "seq": seq,
-        "world_size": dist.get_world_size(),
-        "trace_s": max(r["trace"] for r in everyone),
-        "compile_total_s": max(r["total"] for r in everyone),
-        "configs": rows,
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-    }
+    slowest = lambda f: max(f(r) for r in everyone)  # noqa: E731
+    return {"layers": layers, "export_s": export_seconds, "trace_s": slowest(lambda r: r["trace"]),
+            "compile_s": slowest(lambda r: r["total"]),
+            "first_lowering_s": {c: slowest(lambda r, c=c: r["first"][c]) for c in config_names},
+            "new_length_s": {c: [slowest(lambda r, c=c, k=k: r["later"][c][k]) for k in range(lengths - 1)]
+                             for c in config_names}}
 
 
-def render(result: dict) -> None:
-    from hotswitch.cli.common import format_counts, render_table
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
-    total = lambda kinds: sum(kinds.values())  # noqa: E731
-    rows = [[r["config"], f"{r['lower_s']:.2f}", str(r["nodes"]), str(sum(total(k) for k in r["collectives"].values())),
-             format_counts(r["collectives"]["forward"]), format_counts(r["collectives"]["backward"]),
-             format_counts(r["collectives"]["reduce"])] for r in result["configs"]]
-    print(
-        f"compile time: {result['model']} ({result['parameters'] / 1e6:.1f}M parameters), "
-        f"batch {result['batch']} x seq {result['seq']}, {result['world_size']} gloo ranks on {result['cpus']} CPUs, "
-        f"torch {result['torch']}"
-    )
-    render_table("lowering: slowest rank; nodes and collectives: rank 0's ExecGraph",
-                 ["config", "lowering s", "nodes", "collectives", "fwd", "bwd", "grad reduce"], rows)
-    lowering = sum(r["lower_s"] for r in result["configs"])
-    print(f"trace (once): {result['trace_s']:.2f} s; lowering, all configs: {lowering:.2f} s; "
-          f"hs.compile total: {result['compile_total_s']:.2f} s (slowest rank each)", flush=True)
+
+def render(rows: list[dict], configs: list[str]) -> None:
+    from hotswitch.cli.common import render_table
+
+    columns = ["layers", "cache", "export s", "trace s", "hs.compile s"]
+    columns += [f"{c} first s" for c in configs] + [f"{c} new length s" for c in configs]
+    table = []
+    for r in rows:
+        table.append([str(r["layers"]), r["cache"], f"{r['export_s']:.1f}", f"{r['trace_s']:.1f}",
+                      f"{r['compile_s']:.1f}"]
+                     + [f"{r['first_lowering_s'][c]:.1f}" for c in configs]
+                     + [f"{_mean(r['new_length_s'][c]):.1f}" for c in configs])
+    render_table("compile time: slowest rank; 'new length': mean over the extra lengths", columns, table)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="gpt2-small")
-    p.add_argument("--configs", default="dp4,dp2tp2,tp4,tp4sp")
+    p.add_argument("--layers", default="2,8", help="comma-separated depths (default 2,8)")
+    p.add_argument("--lengths", default="1,4", help="numbers of distinct sequence lengths (default 1,4)")
+    p.add_argument("--configs", default="dp2tp2,tp4sp")
     p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     from hotswitch.distributed.launch import launch
 
-    t = time.perf_counter()
-    result = launch(measure, args.world_size, args.model, tuple(args.configs.split(",")), args.batch, args.seq)
-    result["wall_s"] = time.perf_counter() - t
-    render(result)
-    print(f"wall time including process start: {result['wall_s']:.1f} s")
+    configs = args.configs.split(",")
+    lengths = max(int(n) for n in args.lengths.split(","))
+    rows = []
+    for layers in (int(x) for x in args.layers.split(",")):
+        cache = tempfile.mkdtemp(prefix="hotswitch-bench-cache-")
+        os.environ["HOTSWITCH_CACHE_DIR"] = cache
+        for label in ("cold", "warm"):
+            print(f"{layers} layers, {label} cache ...", flush=True)
+            row = launch(measure, args.world_size, layers, tuple(configs), lengths)
+            row["cache"] = label
+            rows.append(row)
+    render(rows, configs)
+    cold = {r["layers"]: r for r in rows if r["cache"] == "cold"}
+    warm = {r["layers"]: r for r in rows if r["cache"] == "warm"}
+    for layers, r in cold.items():
+        lowering = sum(r["first_lowering_s"].values())
+        print(f"{layers} layers: trace / torch.export {r['trace_s'] / r['export_s']:.2f}; warm / cold lowering "
+              f"{sum(warm[layers]['first_lowering_s'].values()) / lowering:.2f}; new length / first lowering "
+              + ", ".join(f"{c} {_mean(r['new_length_s'][c]) / r['first_lowering_s'][c]:.2f}" for c in configs))
+    depths = sorted(cold)
+    if len(depths) > 1:
+        a, b = cold[depths[0]], cold[depths[-1]]
+        print(f"lowering at {depths[-1]} layers / at {depths[0]} layers: "
+              + ", ".join(f"{c} {b['first_lowering_s'][c] / a['first_lowering_s'][c]:.2f}" for c in configs))
     if args.json:
+        import torch
+
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump({"rows": rows, "torch": torch.__version__, "cpus": os.cpu_count(),
+                       "python": platform.python_version()}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
 

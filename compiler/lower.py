@@ -110,8 +110,19 @@ class GraphSharding:
                 # one output: its placements (a tuple); several: a list of those (None: not a tensor)
                 out = [None if o is None else o.placements for o in d.out_spec] \
                     if isinstance(d.out_spec, (tuple, list)) else d.out_spec.placements
-                ops[node.name] = dt.encode_placements((tuple(w.placements for w in d.want_specs), out))
+                encoded = dt.encode_placements((tuple(w.placements for w in d.want_specs), out))
+                if not _mentions_strided(encoded):
+                    ops[node.name] = encoded
         return ShardingDecisions(ops, frozenset(n.name for n in self.keep_partial))
+
+
+def _mentions_strided(encoded) -> bool:
+    """A _StridedShard's split factor is the product of the dims folded in front of the sharded one
+    (the batch, when [B, H, T, d] is viewed as [B*H, T, d]): it changes with the shape, so decisions
+    that involve one are searched again at every shape, not replayed."""
+    if isinstance(encoded, (tuple, list)):
+        return bool(encoded) and (encoded[0] == "SS" or any(_mentions_strided(e) for e in encoded))
+    return False
 
 
 @dataclass(frozen=True)
@@ -120,7 +131,8 @@ class ShardingDecisions:
     its tensor inputs, placements of its output). The graph is symbolic in batch and sequence, and
     these placements do not depend on them, so lowering the graph for another input shape replays
     them (a fake run per op for the new global shapes) instead of running DTensor's strategy search
-    again; ops whose arguments DTensor rewrites for its choice (views) are propagated anew. Plain
+    again; ops whose arguments DTensor rewrites for its choice (views), and ops with a _StridedShard
+    (whose split factor is a shape), are propagated anew. Plain
     values: picklable, kept per config in memory and in the persistent cache (`hotswitch.compiler.cache`)."""
 
     ops: dict[str, tuple]
