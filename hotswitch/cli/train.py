@@ -123,44 +123,6 @@ def _elastic_options(args) -> dict:
                 checkpoint_every=args.checkpoint_every, step_timeout=args.step_timeout)
 
 
-
-def _elastic_options(args) -> dict:
-    """--elastic MIN:MAX, --scale STEP:N, --redeploy STEP, --checkpoint-* checked and parsed."""
-    elastic = getattr(args, "elastic", None)
-    if elastic is None:
-        if getattr(args, "scale", None) or getattr(args, "redeploy", None):
-            raise SystemExit("hotswitch: --scale and --redeploy need --elastic MIN:MAX")
-        return {}
-    try:
-        low, high = (int(x) for x in elastic.split(":"))
-    except ValueError:
-        raise SystemExit(f"hotswitch: --elastic takes MIN:MAX worker counts, e.g. 2:4; got {elastic!r}") from None
-    if not 1 <= low <= args.world_size <= high:
-        raise SystemExit(
-            f"hotswitch: --elastic {elastic} must satisfy 1 <= MIN <= --world-size ({args.world_size}) <= MAX"
-        )
-    events = []
-    for spec in args.scale:
-        try:
-            step, n = (int(x) for x in spec.split(":"))
-        except ValueError:
-            raise SystemExit(f"hotswitch: --scale takes STEP:N, e.g. 3:2; got {spec!r}") from None
-        if not low <= n <= high or step < 0:
-            raise SystemExit(f"hotswitch: --scale {spec}: N must lie in --elastic {elastic} and STEP be >= 0")
-        events.append((step, "scale", n))
-    events += [(step, "redeploy", None) for step in args.redeploy]
-    if args.checkpoint_every < 1 or args.step_timeout <= 0:
-        raise SystemExit("hotswitch: need --checkpoint-every >= 1 and --step-timeout > 0")
-    directory = args.checkpoint_dir
-    if directory is None:
-        import tempfile
-
-        directory = tempfile.mkdtemp(prefix="hotswitch-checkpoints-")
-    return dict(elastic=(low, high), events=tuple(sorted(events)), checkpoint_dir=directory,
-                checkpoint_every=args.checkpoint_every, step_timeout=args.step_timeout)
-
-
-
 def run_train(args) -> int:
     from hotswitch.distributed.launch import LaunchError, launch
     from hotswitch.train.loop import summary_line
