@@ -463,13 +463,18 @@ def lower(
     out_plan: OutputPlan | StageOutputPlan,
     mesh: dt.DeviceMesh,
     bucket_bytes: int = BUCKET_BYTES,
+    device: torch.device | None = None,
 ) -> fx.GraphModule:
     """Trace this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
 
     With a StageOutputPlan: (outputs of the stage graph...) out, sent values in their neighbours'
-    layouts and nothing reduced over the data-parallel axis.
+    layouts and nothing reduced over the data-parallel axis. `device`: where the program runs; the
+    LogicGraph's factory ops (masks, positions, zeros) were traced on the model's device and are
+    placed there instead.
     """
     decisions = sharding.decisions
+    on_device = (lambda kwargs: kwargs) if device is None else (  # noqa: E731
+        lambda kwargs: {**kwargs, "device": device} if "device" in kwargs else kwargs)
 
     if isinstance(out_plan, StageOutputPlan):
         _tag_phases(graph, out_plan.forward_outputs)
@@ -499,7 +504,7 @@ def lower(
             tensors.append(value)
         tensors_it = iter(tensors)
         fill = lambda a: next(tensors_it) if isinstance(a, dt.DTensorSpec) else a  # noqa: E731
-        out = node.target(*pytree.tree_map(fill, d.args), **pytree.tree_map(fill, dict(d.kwargs)))
+        out = node.target(*pytree.tree_map(fill, d.args), **on_device(pytree.tree_map(fill, dict(d.kwargs))))
         if d.reduce_to is not None:
             out = dt.redistribute(out, d.out_spec, d.reduce_to)
         env[node] = out

@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from . import _dtensor as dt
-from ._torch import pytree
+from ._torch import FakeTensorMode, pytree
 from .cache import DecisionCache
 from .lower import OutputPlan, ShardingDecisions, StageOutputPlan, lower, propagate_graph
 from .stages import Stage, split_forward_backward, stage_joint
@@ -48,6 +48,7 @@ class StageMesh:
     sp: bool
     param_placements: dict[str, tuple]
     name: str = ""  # the config's name, for the graphs' metadata and error messages
+    device: torch.device = torch.device("cpu")  # where the program runs: its factory ops allocate there
 
 
 @dataclass
@@ -161,7 +162,9 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     propagate_seconds = time.perf_counter() - t_propagate
     if key is not None and decided is None:
         cache.put(key, sharding.placements())
-    local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype) for s in specs]
+    local_shapes_dtypes = [(dt.local_shape(s), s.tensor_meta.dtype) for s in specs]
+    with FakeTensorMode(allow_non_fake_inputs=True):  # this rank's inputs, on its device (no memory, no GPU needed)
+        local = [torch.empty(shape, dtype=dtype, device=where.device) for shape, dtype in local_shapes_dtypes]
     n_losses = 2 if is_last else 1
     if reduce:
         plan = OutputPlan(split_loss=logic.split_loss, num_losses=2 if logic.split_loss else 1,
@@ -173,7 +176,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             first_grad_in = n_out + n_losses + n_p
             sent += [(first_grad_in + k, specs[n_p + n_b + n_i + k]) for k in range(n_acts_in)]
         plan = StageOutputPlan(forward_outputs=tuple(range(n_out + n_losses)), sent=tuple(sent))
-    gm = lower(graph, sharding, local, plan, mesh)
+    gm = lower(graph, sharding, local, plan, mesh, device=where.device)
     gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
                             "local_shapes": tuple(local_shapes), "sharding": sharding}
     recv_acts = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i:n_p + n_b + n_i + n_acts_in]]

@@ -69,12 +69,16 @@ def _trainer_path_grads(model, sequences, *, num_buckets, multiple, dp, micro_ba
 
 
 def _assert_same(ref, got):
+    """Loss and every gradient within 1e-5 relative. A gradient that is zero in exact arithmetic (the
+    queries when every target attends to one key: softmax over one element) is fp32 noise on both
+    sides, so it is compared against 1e-6 of the whole gradient's norm instead."""
     ref_loss, ref_grads = ref
     loss, grads = got[:2]
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+    scale = float(torch.sqrt(sum(g.pow(2).sum() for g in ref_grads.values())))
     for n, g in ref_grads.items():
-        err = float((grads[n] - g).norm() / g.norm()) if g.norm() > 0 else float(grads[n].norm())
-        assert err <= 1e-5, (n, err)
+        diff = float((grads[n] - g).norm())
+        assert diff <= 1e-5 * float(g.norm()) + 1e-6 * scale, (n, diff, float(g.norm()), scale)
 
 
 lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=14).filter(lambda ls: sum(n - 1 for n in ls) > 0)

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hotswitch.distributed.device import default_backend
+
 __all__ = ["LaunchError", "launch"]
 
 _GRACE_S = 2.0  # after a rank fails, how long to wait for the others' reports
@@ -43,12 +45,20 @@ class LaunchError(RuntimeError):
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node: int | None = None,
-           backend: str = "gloo", timeout: float | None = None, nodes=None) -> Any:
+           backend: str | None = None, timeout: float | None = None, nodes=None) -> Any:
     """Call `fn(rank, *args)` on `world_size` processes in one process group; return rank 0's value.
 
-    `timeout` (seconds) bounds the whole run and every collective; None waits forever. `nodes`, an
-    entered `hotswitch.netns.EmulatedNodes`, puts each node's ranks in that node's network namespace.
+    `backend`: "nccl" (each process on GPU LOCAL_RANK) or "gloo" (CPU); default nccl when this
+    machine has a GPU per process. `timeout` (seconds) bounds the whole run and every collective; None waits forever.
+    `nodes`, an entered `hotswitch.netns.EmulatedNodes`, puts each node's ranks in that node's
+    network namespace.
     """
+    backend = backend or default_backend(devices_per_node or world_size)
+    if "nccl" in backend and torch.cuda.device_count() < (devices_per_node or world_size):
+        raise ValueError(f"backend={backend!r} puts one process on each GPU, but {world_size} processes"
+                         f"{f' ({devices_per_node} per node)' if devices_per_node else ''} need "
+                         f"{devices_per_node or world_size} GPUs and this machine has {torch.cuda.device_count()}; "
+                         "use fewer processes or backend='gloo'")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if devices_per_node is not None and (devices_per_node < 1 or world_size % devices_per_node):
@@ -163,6 +173,8 @@ def _worker(fn, args, rank, world_size, port, backend, timeout, results) -> None
             enter_namespace(os.environ["HOTSWITCH_NETNS"])  # before any socket of this process
         store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, is_master=False,
                               timeout=pg_timeout or datetime.timedelta(minutes=30))
+        if "nccl" in backend:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before the group: NCCL binds to it
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
         value = fn(rank, *args)
         payload = pickle.dumps(value) if rank == 0 else None
@@ -188,6 +200,8 @@ def _run_in_process(fn, args, backend, timeout):
     if dist.is_initialized():
         return fn(dist.get_rank(), *args)
     kwargs = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
+    if "nccl" in backend:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, **kwargs)
     try:
         return fn(rank, *args)

@@ -23,6 +23,7 @@ from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
 from hotswitch.compiler.trace import LogicGraph, trace
 from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch
+from hotswitch.distributed.device import comm_tensor, runtime_device
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
 from hotswitch.switch.executor import SwitchStats, execute_plan
 from hotswitch.switch.order import OrderPlan, plan_order
@@ -51,11 +52,13 @@ class ConfigState:
     reductions: dict[tuple, fx.GraphModule] = field(default_factory=dict)
     # (train, stage) -> the placements decided for that graph at its first shape: later shapes replay them
     decisions: dict[tuple, ShardingDecisions] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this rank computes
 
     @property
     def where(self) -> StageMesh:
         """The stage's mesh and placements, as the compiler's lowering takes them."""
-        return StageMesh(self.mesh, self.axis, self.config.dp, self.config.sp, self.param_specs, self.config.name)
+        return StageMesh(self.mesh, self.axis, self.config.dp, self.config.sp, self.param_specs, self.config.name,
+                         self.device)
 
 
 class CompiledModel:
@@ -72,6 +75,9 @@ class CompiledModel:
         if len(set(names)) != len(names):
             raise ValueError(f"config names must be unique, got {names}")
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        # where shards, gradients and switch buffers live: the process group's device (gloo: cpu,
+        # nccl: this rank's GPU); see hotswitch.distributed.device
+        self.device = runtime_device()
         for c in configs:
             c.check_world_size(self.world_size)
             if c.world_size != self.world_size:
@@ -100,7 +106,7 @@ class CompiledModel:
             **dict(model.named_buffers(remove_duplicate=False)),
             **dict(model.named_parameters(remove_duplicate=False)),
         }
-        self._buffers = [tensors[n].detach().clone() for n in self.logic.buffer_names]
+        self._buffers = [tensors[n].detach().to(self.device, copy=True) for n in self.logic.buffer_names]
         self._state_keys = list(model.state_dict().keys())
         self._splits: dict[int, StageSplit] = {}  # pp -> the LogicGraph cut into pp stages
         self._state_dtypes: dict[str, dict[str, torch.dtype]] = {}  # attached kind -> dtype per parameter
@@ -162,7 +168,7 @@ class CompiledModel:
             old.update({state_key(kind, n): t for n, t in self._kind(kind).items()})
         dst = self._layouts(name, kinds)
         new, sent, received = execute_plan(plan, old, self._layouts(self._active, kinds), dst, self.rank,
-                                           dtypes={m: self._dtype(m) for m in dst})
+                                           dtypes={m: self._dtype(m) for m in dst}, device=self.device)
         # under pp > 1 a rank holds only its stage's parameters: the others are absent from `new`
         self._local = {n: new[n] for n in self.logic.param_names if n in new}
         if self._grads is not None:
@@ -301,6 +307,11 @@ class CompiledModel:
         with torch.no_grad():
             return gm(*self._local_params(), *self._buffers, *local_inputs)[0]
 
+    def graph_inputs(self, *local_inputs: torch.Tensor) -> list[torch.Tensor]:
+        """What `exec_graph(active)` takes, in order: this rank's parameter shards, the buffers, then
+        `local_inputs` (for running or compiling the graph by hand, as the profiler does). pp = 1."""
+        return [*self._local_params(), *self._buffers, *local_inputs]
+
     def zero_grad(self) -> None:
         self._grads = None
 
@@ -408,7 +419,7 @@ class CompiledModel:
         """{name: full gradient}, the keys of model.named_parameters(); zeros before any backward."""
         if self._grads is None:
             return {
-                n: torch.zeros(self.logic.param_shapes[n], dtype=self.logic.param_dtypes[n])
+                n: torch.zeros(self.logic.param_shapes[n], dtype=self.logic.param_dtypes[n], device=self.device)
                 for n in self.logic.param_names
             }
         return self._full(self._grads)
@@ -428,12 +439,13 @@ class CompiledModel:
         axis = {a: i for i, a in enumerate(config.stage_axes)}
         specs = param_placements(self.roles, self.logic.param_names, config.tp, axis.get("tp"), len(axis), config.name)
         if config.pp == 1:
-            return ConfigState(config, config.device_mesh("cpu"), axis, specs)
+            return ConfigState(config, config.device_mesh(self.device.type), axis, specs, device=self.device)
         # pp > 1: a (pp, dp, tp) mesh; stage s runs on its (dp, tp) slice, where parameters are placed
         self._split(config.pp)  # cut the model now: a model that cannot be cut fails at compile time
-        full = config.device_mesh("cpu")
+        full = config.device_mesh(self.device.type)
         mesh = full[config.stage_axes[0]] if len(config.stage_axes) == 1 else full[config.stage_axes]
-        st = ConfigState(config, mesh, axis, specs, full_mesh=full, stage=int(full.get_coordinate()[0]))
+        st = ConfigState(config, mesh, axis, specs, full_mesh=full, stage=int(full.get_coordinate()[0]),
+                         device=self.device)
         # parameters shared by stages (a tied embedding): the copies' gradients are summed over the
         # ranks at the same (dp, tp) coordinate of those stages. Every rank creates every group.
         grid = full.mesh.reshape(config.pp, -1)
@@ -522,7 +534,7 @@ class CompiledModel:
         key = (st.config.name, tuple(tuple(x.shape) for x in local_inputs))
         if key not in self._global_shapes:
             # Inputs sharded by the caller: learn the global batch once per shape (a tiny all-gather).
-            sizes = torch.tensor([x.shape[0] for x in local_inputs[:1]])
+            sizes = comm_tensor([x.shape[0] for x in local_inputs[:1]], torch.int64)
             gathered = [torch.zeros_like(sizes) for _ in range(self.world_size)]
             dist.all_gather(gathered, sizes)
             ranks = st.mesh.mesh.flatten().tolist()
@@ -556,7 +568,7 @@ class CompiledModel:
         spec = dt.make_spec(st.mesh, st.param_specs[name], full)
         shape, offset = dt.local_shape_and_offset(spec)
         index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-        return full[index].clone()
+        return full[index].to(self.device, copy=True)
 
     def _full(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         st = self._states[self._active]
@@ -592,7 +604,7 @@ class CompiledModel:
             ],
             self.topology,
         )
-        new, _, _ = execute_plan(plan, local, src, dst, self.rank, dtypes=dtypes)
+        new, _, _ = execute_plan(plan, local, src, dst, self.rank, dtypes=dtypes, device=self.device)
         return {n: t.clone() if t is local.get(n) else t for n, t in new.items()}
 
     def _local_shapes(self, st: ConfigState, shapes: tuple) -> tuple:
@@ -632,7 +644,7 @@ class CompiledModel:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
         if len(local_inputs) != self.logic.num_inputs:
             raise ValueError(f"the model takes {self.logic.num_inputs} inputs, got {len(local_inputs)}")
-        batch = torch.tensor([local_inputs[0].shape[0]])
+        batch = comm_tensor([local_inputs[0].shape[0]], torch.int64)
         if k > 1:  # ranks' batches differ (uneven data parallelism): all must refuse, or none
             dist.all_reduce(batch, op=dist.ReduceOp.MIN)
         if batch.item() < k:
@@ -658,9 +670,9 @@ class CompiledModel:
             next_rank = int(grid[st.stage + 1][pos]) if st.stage < pp - 1 else None
         sums, stats = run_step(programs, [self._local[n] for n in held], self._buffers, micro, stage=st.stage,
                                num_stages=pp, prev_rank=prev_rank, next_rank=next_rank, schedule=schedule,
-                               accumulate_dtype=self.grad_dtype if train else None)
+                               accumulate_dtype=self.grad_dtype if train else None, device=self.device)
         self.last_step = stats
-        loss = torch.zeros((), dtype=torch.float32)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if train or programs[0].is_last:
             outs = reduction_for(st, programs[0], sums)(*sums)
             if programs[0].is_last:

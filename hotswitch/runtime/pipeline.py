@@ -81,11 +81,13 @@ def schedule_order(
 
 def run_step(programs: list[StageProgram], params: list[torch.Tensor], buffers: list[torch.Tensor],
              micro_inputs: list[tuple[torch.Tensor, ...]], *, stage: int, num_stages: int, prev_rank: int | None,
-             next_rank: int | None, schedule: str, accumulate_dtype: torch.dtype | None = None):
+             next_rank: int | None, schedule: str, accumulate_dtype: torch.dtype | None = None,
+             device: torch.device | None = None):
     """Run this rank's part of one step: every micro-batch's forward and (training) backward in
     the schedule's order, with the point-to-point exchanges. Returns (sums of the deferred outputs
     - loss parts, then parameter gradients - over the micro-batches, StepStats)."""
     t0 = time.perf_counter()
+    device = device if device is not None else (params[0].device if params else torch.device("cpu"))
     k = len(micro_inputs)
     train = programs[0].train
     stats = StepStats(schedule if num_stages > 1 and train else "sequential", k, stage, num_stages)
@@ -103,7 +105,7 @@ def run_step(programs: list[StageProgram], params: list[torch.Tensor], buffers: 
     def recv(metas, peer):
         out = []
         for shape, dtype in metas:
-            t = torch.empty(shape, dtype=dtype)
+            t = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(t, src=peer)
             stats.recvs += 1
             out.append(t)

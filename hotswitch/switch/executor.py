@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hotswitch.distconfig import Layout
+from hotswitch.distributed.device import comm_tensor, runtime_device
 from hotswitch.kernels import pack, unpack
 from hotswitch.switch.planner import SwitchPlan, Transfer
 
@@ -56,7 +57,7 @@ def _maybe_fail(stage: str, rank: int) -> None:
 
 
 def _agree(ok: bool, group) -> bool:
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    flag = comm_tensor([1 if ok else 0], torch.int32, group)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
@@ -70,13 +71,16 @@ def _volume(t: Transfer) -> int:
 
 def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, Layout], dst: dict[str, Layout],
                  rank: int, group=None, backend: str = "auto",
-                 dtypes: dict[str, torch.dtype] | None = None) -> tuple[dict[str, torch.Tensor], int, int]:
+                 dtypes: dict[str, torch.dtype] | None = None,
+                 device: torch.device | None = None) -> tuple[dict[str, torch.Tensor], int, int]:
     """Move `old` (this rank's source shards) into new destination shards; returns (new, sent, received).
 
     `new` has an entry for every tensor whose destination layout includes this rank (and none for
     the others: under pipeline parallelism a rank holds only its stage's parameters). `dtypes` gives
-    the dtype of tensors this rank does not hold yet (default: float32).
+    the dtype of tensors this rank does not hold yet (default: float32); `device` where new shards and
+    receive buffers go (default: the process group's device).
     """
+    device = device if device is not None else runtime_device(group)
     new: dict[str, torch.Tensor] = {}
     error: BaseException | None = None
     sends: list[tuple[int, torch.Tensor]] = []
@@ -96,7 +100,7 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
                 new[name] = old[name]  # same piece, nothing arrives: share it (the old state is never written)
             else:
                 dtype = old[name].dtype if name in old else (dtypes or {}).get(name, torch.float32)
-                new[name] = torch.empty(layout.local_shape(rank), dtype=dtype)
+                new[name] = torch.empty(layout.local_shape(rank), dtype=dtype, device=device)
         for t in plan.local_copies_of(rank):
             if new[t.tensor] is old.get(t.tensor):
                 continue
@@ -112,7 +116,8 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
         _maybe_fail("pack", rank)
         for peer, transfers in incoming.items():
             for dtype, group_t in _by_dtype(transfers, new).items():
-                recvs.append((peer, torch.empty(sum(_volume(t) for t in group_t), dtype=dtype), group_t))
+                size = sum(_volume(t) for t in group_t)
+                recvs.append((peer, torch.empty(size, dtype=dtype, device=device), group_t))
     except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
         error = e
     moves_data = len(plan.transfer_array) > 0  # same on every rank: the plan is global

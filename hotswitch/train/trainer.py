@@ -28,6 +28,7 @@ from torch import nn
 
 from hotswitch.compiler.memory import estimate_peak_bytes
 from hotswitch.distconfig import DistConfig, Topology
+from hotswitch.distributed.device import comm_tensor, runtime_device
 from hotswitch.models import PackedCausalLMLoss
 from hotswitch.runtime.compiled_model import CompiledModel
 from hotswitch.runtime.compiled_model import compile as hs_compile
@@ -129,7 +130,7 @@ class Trainer:
     `buckets` (length bounds; default from the first batch's length distribution, `num_buckets`
     of them, default max(3, number of configs)), `bucket_configs` (one config name per bucket, skipping the cost model),
     `micro_batch_tokens` (tokens per data-parallel replica per micro-batch), `compute_dtype`
-    (default float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks),
+    (default bfloat16 on GPU, float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks),
     `progress(message)` for long phases, `strict` (default False: an op DTensor cannot shard at
     some micro-batch shape, e.g. GQA's head regrouping with one row under tp > kv heads, runs
     replicated with a warning instead of failing; results stay exact), `logic` (the LogicGraph of an
@@ -181,7 +182,8 @@ class Trainer:
                 raise ValueError(f"bucket_configs names {name!r}, which is not among the configs {names}")
         self.bucket_configs = tuple(bucket_configs) if bucket_configs is not None else None
 
-        self.compute_dtype = compute_dtype or torch.float32
+        # GPUs train in bf16 with fp32 masters and fp32 gradient accumulators; CPUs default to fp32
+        self.compute_dtype = compute_dtype or (torch.bfloat16 if runtime_device().type == "cuda" else torch.float32)
         first_param = next(model.parameters())
         masters_fp32 = {n: p.detach().float() for n, p in model.named_parameters(remove_duplicate=False)}
         if first_param.dtype != self.compute_dtype:
@@ -252,7 +254,7 @@ class Trainer:
                 rows = self.rows_per_micro_batch(self.config(config), bucket.high)
                 bucket_micro[k] = math.ceil(len(bucket.rows) / rows)
                 for mb, weight in D.weighted_micro_batches(sequences, bucket, rows, total_targets):
-                    local = self.cm.shard_inputs(*mb.inputs)
+                    local = self.cm.shard_inputs(*(x.to(self.cm.device) for x in mb.inputs))
                     loss += float(self.cm.forward_backward(*local, grad_scale=weight)) * weight
                 bucket_seconds[k] += time.perf_counter() - t0
         assert self.cm.active == self.base
@@ -264,11 +266,9 @@ class Trainer:
         self.step_count += 1
 
         # one agreement so every rank reports the same numbers: slowest rank's times, all ranks' bytes
-        times = torch.tensor(
-            [seconds, optimizer_seconds, *bucket_seconds, *(s[3] for s in switches)], dtype=torch.float64
-        )
+        times = comm_tensor([seconds, optimizer_seconds, *bucket_seconds, *(s[3] for s in switches)], torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        sent = torch.tensor([s[2] for s in switches] or [0], dtype=torch.float64)
+        sent = comm_tensor([s[2] for s in switches] or [0], torch.float64)
         dist.all_reduce(sent)
         times = times.tolist()
         nb = len(buckets)
@@ -303,7 +303,7 @@ class Trainer:
         ("Received data size doesn't match") or hang. Raises on every rank, naming the first rank
         whose batch differs from rank 0's."""
         world = dist.get_world_size()
-        mine = torch.tensor([D.batch_digest(sequences)], dtype=torch.int64)
+        mine = comm_tensor([D.batch_digest(sequences)], torch.int64)
         everyone = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(everyone, mine)
         differ = [r for r in range(1, world) if not torch.equal(everyone[r], everyone[0])]
@@ -423,13 +423,13 @@ class Trainer:
         inputs = D.full_length_micro_batch(rows, length, seed=length)
         gm = self.cm.exec_graph(config.name, tuple(tuple(x.shape) for x in inputs))
         state = self.state_bytes(config.name)
-        need = torch.tensor([state + estimate_peak_bytes(gm)], dtype=torch.float64)
+        need = comm_tensor([state + estimate_peak_bytes(gm)], torch.float64)
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         peak = int(need.item())
         probe = Probe(config.name, length, rows, None, peak, state)
         if not probe.fits(self.memory_budget_bytes):
             return probe  # never run what would not fit
-        local = self.cm.shard_inputs(*inputs)
+        local = self.cm.shard_inputs(*(x.to(self.cm.device) for x in inputs))
         times = []
         for i in range(self.profile_repeats + 1):
             dist.barrier()
@@ -438,7 +438,7 @@ class Trainer:
             if i:
                 times.append(time.perf_counter() - t0)
         self.cm.zero_grad()
-        seconds = torch.tensor([statistics.median(times)], dtype=torch.float64)
+        seconds = comm_tensor([statistics.median(times)], torch.float64)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         return Probe(config.name, length, rows, float(seconds.item()), peak, state)
 
@@ -551,7 +551,7 @@ class Trainer:
         if self._dp_group is None:
             return dict(self._masters)
         chunk = self._masters["flat"]
-        flat = torch.empty(chunk.numel() * dist.get_world_size(self._dp_group), dtype=chunk.dtype)
+        flat = torch.empty(chunk.numel() * dist.get_world_size(self._dp_group), dtype=chunk.dtype, device=chunk.device)
         dist.all_gather_into_tensor(flat, chunk, group=self._dp_group)
         out, offset = {}, 0
         for n in self._names:
