@@ -198,7 +198,8 @@ class ElasticJob:
 
     def _step(self, step: int) -> None:
         ids, sequences = self.batch(step)
-        report = self.trainer.step(sequences)
+        with self.membership.watch_peers():  # NCCL: a dead peer aborts the step at once
+            report = self.trainer.step(sequences)
         self.membership.set_timeout(LONG_TIMEOUT)
         self.last_report = report
         replayed = report.step <= self.max_committed

@@ -25,9 +25,11 @@ import multiprocessing.util
 import os
 import pickle
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from multiprocessing import connection
 from typing import Any
@@ -37,6 +39,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hotswitch.distributed import _c10d
+from hotswitch.distributed.device import default_backend
 from hotswitch.distributed.launch import patched_environ
 
 __all__ = ["ElasticError", "GenerationRecord", "Membership", "MembershipChanged", "run_elastic"]
@@ -240,6 +243,8 @@ def _worker_main(fn, args, wid: str, port: int, results, min_size: int, max_size
         store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, is_master=False,
                               timeout=datetime.timedelta(minutes=30))
         membership = Membership(wid, store, min_size, max_size)
+        if membership.backend == "nccl":  # one GPU per worker slot (workers share one host)
+            torch.cuda.set_device(int("".join(filter(str.isdigit, wid)) or 0) % torch.cuda.device_count())
         value = fn(membership, *args)
         status = "result" if membership.finished else "left"
         payload = pickle.dumps(value) if membership.finished else None
@@ -257,9 +262,11 @@ def _worker_main(fn, args, wid: str, port: int, results, min_size: int, max_size
 class Membership:
     """A worker's view of the job: the current generation, its process group, and the step agreement."""
 
-    def __init__(self, wid: str, store, min_size: int, max_size: int):
+    def __init__(self, wid: str, store, min_size: int, max_size: int, backend: str | None = None):
         self.wid, self.store = wid, store
         self.min_size, self.max_size = min_size, max_size
+        # nccl where every worker the job may grow to has a GPU; HOTSWITCH_BACKEND overrides
+        self.backend = backend or os.environ.get("HOTSWITCH_BACKEND") or default_backend(max_size)
         self.record: GenerationRecord | None = None
         self.job_members: tuple[str, ...] = ()  # the workers training now (rank order)
         self.finished = False
@@ -300,7 +307,7 @@ class Membership:
 
     def _init(self, members: tuple[str, ...], name: str) -> None:
         prefix = dist.PrefixStore(f"elastic/pg/{name}", self.store)
-        dist.init_process_group("gloo", store=prefix, rank=members.index(self.wid), world_size=len(members),
+        dist.init_process_group(self.backend, store=prefix, rank=members.index(self.wid), world_size=len(members),
                                 timeout=LONG_TIMEOUT)
         self._pg_name = name
 
@@ -309,6 +316,36 @@ class Membership:
         """Drop every process group of this worker. gloo cannot cancel an operation blocked on a dead
         peer (abort and shutdown leave it waiting), which is why steps run with a short timeout."""
         _c10d.abort_all_groups()  # every group; makes init_process_group possible again
+
+    @contextmanager
+    def watch_peers(self, abort: Callable[[], None] = _c10d.abort_all_groups, poll_s: float = 0.05) -> Iterator[None]:
+        """While the block runs (a training step), abort this worker's communicators as soon as the agent
+        publishes a newer generation (it does so the moment a worker dies), so a collective blocked on
+        the dead peer raises at once instead of after the step timeout. NCCL can abort a blocked
+        communicator; gloo cannot (its operations wait on regardless), so on gloo this does nothing and
+        the step timeout detects the dead peer."""
+        if self.backend != "nccl":
+            yield
+            return
+        store = self.store
+        if isinstance(store, dist.TCPStore):  # a client of its own: one socket must not serve two threads
+            store = dist.TCPStore(store.host, store.port, is_master=False, timeout=LONG_TIMEOUT)
+        key = f"elastic/gen/{self.generation + 1}"
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(poll_s):
+                if store.check([key]):
+                    abort()
+                    return
+
+        watcher = threading.Thread(target=watch, name=f"hotswitch-peer-watch-{self.wid}", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            watcher.join()
 
     def request(self, kind: str, size: int | None = None) -> None:
         """Ask the agent for a planned change (called by the job's rank 0 at a step boundary)."""
