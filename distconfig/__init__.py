@@ -1,7 +1,9 @@
 """distconfig: parallel layouts as plain values (no process group, no compiler).
 
 Placements, device meshes, tensor layouts (each device's box), node topology and the DistConfig
-candidates a job can hot-switch between. Imports only numpy and torch.
+candidates a job can hot-switch between. Imports only numpy; torch only inside the functions that
+cross over to DTensor (`to_torch`, `from_torch`, `DistConfig.device_mesh`), so that the CLI's help
+and pure planning start without it.
 """
 
 from .config import GRAMMAR, DistConfig, standard_configs
