@@ -6,7 +6,7 @@ cross over to DTensor (`to_torch`, `from_torch`, `DistConfig.device_mesh`), so t
 and pure planning start without it.
 """
 
-from .config import GRAMMAR, DistConfig, standard_configs
+from .config import GRAMMAR, DistConfig, parse_configs, standard_configs
 from .layout import Box, Layout
 from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard, from_torch, to_torch
@@ -26,6 +26,7 @@ __all__ = [
     "Topology",
     "balanced_split",
     "from_torch",
+    "parse_configs",
     "standard_configs",
     "to_torch",
 ]
