@@ -16,6 +16,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import _sharding_prop as _sp
+from torch.distributed.tensor import placement_types as _placement_types
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor._op_schema import OpSchema, OpStrategy, OutputSharding
 from torch.distributed.tensor._ops import utils as _op_utils
@@ -244,7 +245,35 @@ def redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> tor
     gathered = _gather_even_strided(local, src, dst)
     if gathered is not None:
         return gathered
-    return redistribute_local_tensor(local, src, dst)
+    with _shard_to_shard_by_all_gather():
+        return redistribute_local_tensor(local, src, dst)
+
+
+def _all_gather_and_chunk(original, input, gather_dim, shard_dim, mesh, mesh_dim):
+    """Shard(gather_dim) -> Shard(shard_dim) on a CPU mesh: what DTensor does there (gloo has no
+    all-to-all), without its log line, which every process would print once."""
+    if mesh.device_type != "cpu":
+        return original(input, gather_dim, shard_dim, mesh, mesh_dim)
+    from torch.distributed import _functional_collectives as funcol
+
+    out = funcol.all_gather_single(input, gather_dim, (mesh, mesh_dim))
+    if isinstance(out, funcol.AsyncCollectiveTensor):
+        out = out.wait()
+    return Shard._custom_chunk(out, mesh.size(mesh_dim), dim=shard_dim)[mesh.get_local_rank(mesh_dim)].contiguous()
+
+
+@contextlib.contextmanager
+def _shard_to_shard_by_all_gather() -> Iterator[None]:
+    """For one `redistribute_local_tensor` call: a shard-dim change on a CPU mesh is traced as
+    all-gather + chunk (DTensor's own CPU path, so the graph is the same) instead of through
+    DTensor's fallback, which logs "CPU process group does not support alltoall yet" on every rank.
+    torch's function is back on exit, as in `propagation()`."""
+    original = _placement_types.shard_dim_alltoall
+    _placement_types.shard_dim_alltoall = functools.partial(_all_gather_and_chunk, original)
+    try:
+        yield
+    finally:
+        _placement_types.shard_dim_alltoall = original
 
 
 def _gather_even_strided(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor | None:

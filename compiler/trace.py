@@ -14,6 +14,9 @@ makes uneven DP splits (and ignored labels) exact.
 from __future__ import annotations
 
 import math
+import os
+import re
+import traceback
 import warnings
 from dataclasses import dataclass, field
 
@@ -24,6 +27,7 @@ from torch.export import Dim, export
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from ._torch import OpOverload, core_aten_decompositions, detect_fake_mode, is_mutable, pytree
+from .signature import InputError, LossModule, ModelCall
 
 aten = torch.ops.aten
 
@@ -40,6 +44,36 @@ def decomposition_table() -> dict:
     for op in _KEEP:
         table.pop(op, None)
     return table
+
+
+def _constant_pads(gm: fx.GraphModule) -> None:
+    """`F.pad(x, pad, value=v)` as slices, fills and a concatenation: the C++ kernels of aten.pad and
+    aten.constant_pad_nd read the input's sizes as ints, which pins a dynamic batch and sequence to
+    the example's sizes (Hugging Face's causal-LM loss pads the labels by one position)."""
+    for node in gm.graph.nodes:
+        if node.target in (aten.pad.default, aten.constant_pad_nd.default):
+            names = ("input", "pad", "mode", "value") if node.target is aten.pad.default else ("input", "pad", "value")
+            args = dict(zip(names, node.args), **node.kwargs)
+            if args.get("mode", "constant") == "constant":
+                node.target = _constant_pad
+                node.args, node.kwargs = (args["input"], args["pad"], args.get("value")), {}
+    gm.recompile()
+
+
+def _constant_pad(x: torch.Tensor, pad, value=None) -> torch.Tensor:
+    """torch.nn.functional.pad(x, pad, value=value) in ops that keep sizes symbolic."""
+    value = 0 if value is None else value
+    for i in range(len(pad) // 2):
+        dim, before, after = x.dim() - 1 - i, pad[2 * i], pad[2 * i + 1]
+        if before < 0:
+            x = x.narrow(dim, -before, x.shape[dim] + before)
+        if after < 0:
+            x = x.narrow(dim, 0, x.shape[dim] + after)
+        parts = [x.new_full((*x.shape[:dim], n, *x.shape[dim + 1:]), value) for n in (before,) if n > 0]
+        parts.append(x)
+        parts += [x.new_full((*x.shape[:dim], n, *x.shape[dim + 1:]), value) for n in (after,) if n > 0]
+        x = torch.cat(parts, dim) if len(parts) > 1 else x
+    return x
 
 
 @dataclass
@@ -60,6 +94,7 @@ class LogicGraph:
     split_loss: bool  # outputs carry (num, den) rather than the loss itself
     aliases: dict[str, str] = field(default_factory=dict)  # state_dict key -> canonical parameter name
     seq_symbol: object = None  # the sympy symbol of the sequence dim, when the inputs have one
+    call: ModelCall | None = None  # how the model is called: input names, constants, where its loss is
 
     @property
     def num_params(self) -> int:
@@ -76,6 +111,8 @@ def _decompose(gm: fx.GraphModule, fake_inputs: list) -> fx.GraphModule:
     linear) decompose in C++ here, where `ExportedProgram.run_decompositions` runs them as Python
     decompositions, about 6x slower. The interpreter hands every node's source line and module path on.
     """
+    _constant_pads(gm)
+
     def run(*args):
         with fx_traceback.preserve_node_meta():
             return fx.Interpreter(gm).run(*args)
@@ -214,9 +251,9 @@ def _split_loss(gm: fx.GraphModule, param_nodes: set[fx.Node]) -> bool:
     (loss,) = out.args[0]
     if loss.meta["val"].dim() != 0:
         raise ValueError(
-            f"the model must return a scalar loss (mean over tokens); it returned a tensor of shape "
-            f"{tuple(loss.meta['val'].shape)}. Wrap it so that forward(*inputs) returns the loss, "
-            "e.g. `lambda ids, labels: hf_model(input_ids=ids, labels=labels).loss`.")
+            f"the model must return a scalar loss (a mean over tokens), an object with .loss or a dict with 'loss'; "
+            f"it returned a tensor of shape {tuple(loss.meta['val'].shape)} (logits?). Return the loss, e.g. pass "
+            "labels to a Hugging Face model, or wrap it: hotswitch.models.HFCausalLMLoss(model)")
     if loss.target is aten.div.Tensor and isinstance(loss.args[1], fx.Node):
         num, den = loss.args
         if den.meta["val"].dim() == 0 and not _depends_on(den, param_nodes):
@@ -228,17 +265,20 @@ def _split_loss(gm: fx.GraphModule, param_nodes: set[fx.Node]) -> bool:
 
 
 def trace(
-    model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[int, tuple[int, ...]] | None = None
+    model: torch.nn.Module, example_inputs, dynamic_dims: dict[int, tuple[int, ...]] | None = None
 ) -> LogicGraph:
-    """Trace `model(*example_inputs)` (a scalar loss) into a LogicGraph.
+    """Trace `model` called on `example_inputs` (a tuple, or a dict of keyword arguments) into a
+    LogicGraph. forward returns a scalar loss, or an object or dict with a `loss` entry (see
+    hotswitch.compiler.signature: the graph's inputs are the inputs' tensors, in `LogicGraph.call`'s order).
 
-    dynamic_dims: input index -> dims that vary between calls; default: dims 0 (batch) and 1
+    dynamic_dims: tensor input index -> dims that vary between calls; default: dims 0 (batch) and 1
     (sequence) of every input tensor of rank >= 2.
     """
-    example_inputs = tuple(example_inputs)
+    call = ModelCall.of(model, example_inputs)
+    example_inputs = call.flatten_example(example_inputs)
     if dynamic_dims is None:
         dynamic_dims = {i: (0, 1) for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.dim() >= 2}
-    ep = _export(model, example_inputs, dynamic_dims)
+    ep = _export(LossModule(model, call), example_inputs, dynamic_dims)
     sig = ep.graph_signature
     if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
         raise ValueError("the model mutates buffers or inputs in forward (e.g. running statistics); "
@@ -280,7 +320,7 @@ def trace(
         param_shapes={n: p.shape for n, p in zip(param_names, params)},
         param_dtypes={n: p.dtype for n, p in zip(param_names, params)},
         num_inputs=user_inputs, split_loss=split, aliases=aliases,
-        seq_symbol=seq_symbol(joint.graph, user_inputs))
+        seq_symbol=seq_symbol(joint.graph, user_inputs), call=call)
 
 
 def seq_symbol(graph: fx.Graph, num_inputs: int):
@@ -308,15 +348,86 @@ def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[in
             for d in dynamic_dims.get(i, ()):
                 dims[d] = Dim(f"d{d}_{x.shape[d]}", min=1) if shared else Dim.AUTO
             out.append(dims)
-        return tuple(out)
+        return (tuple(out),)  # LossModule.forward(*tensors): export binds them to one parameter
 
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings():
         # torch 2.13's own pytree use warns on every export; nothing for the user to act on
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         try:
             return export(model, example_inputs, dynamic_shapes=shapes(True), strict=False)
+        except InputError:
+            raise
         except Exception:  # noqa: BLE001 - the shared dims were a guess (a size 1 specializes, say): let export infer
+            pass
+        try:
             return export(model, example_inputs, dynamic_shapes=shapes(False), strict=False)
+        except InputError:
+            raise
+        except Exception as e:  # noqa: BLE001 - said again in the user's terms, torch's error chained
+            raise TraceError(explain_trace_error(e, type(getattr(model, "_target", model)).__name__)) from e
+
+
+class TraceError(ValueError):
+    """torch.export could not trace the model; the message names what, where, the usual cause and the fix."""
+
+
+# (pattern in torch's error, what it means, the usual cause and fix); the first match explains the error
+_TRACE_ERRORS = (
+    (re.compile(r"data-dependent|GuardOnDataDependent|DataDependentOutput", re.I),
+     "the model's Python code depends on a tensor's values",
+     "a Python branch on a tensor (`if x.sum() > 0`), or `.item()`, `int(t)`, `.tolist()` deciding a size or a "
+     "branch; tracing sees shapes, not values. Fix: compute that value outside the model and pass it in, or keep it "
+     "in tensors (torch.where, masks; torch.cond for a branch)"),
+    (re.compile(r"\.numpy\(\)|data pointer|doesn't have storage|does not have storage", re.I),
+     "the model reads tensor data in Python",
+     "`.numpy()`, `.data_ptr()` or a C extension reading a tensor's memory inside forward; tracing runs on fake "
+     "tensors that hold no data. Fix: use torch ops there, or do it outside the model"),
+    (re.compile(r"Found (<class '[^']+'>) in (?:output|input)|register a pytree|not a known type", re.I),
+     "torch.export met an object it cannot flatten",
+     "a custom class in the model's inputs or outputs (a Hugging Face KV cache, a dataclass of tensors) that is "
+     "not a registered pytree type. Fix: register it (torch.export.register_dataclass, or "
+     "torch.utils._pytree.register_pytree_node), keep it out of inputs and outputs, or for a cache pass "
+     "use_cache=False"),
+    (re.compile(r"UnsupportedOperator|no (?:fake|meta) (?:impl|kernel)|missing a fake kernel|register_fake", re.I),
+     "an op without a fake (meta) implementation",
+     "a custom op or C++ extension that torch cannot run on fake tensors to learn output shapes. Fix: register one "
+     "with torch.library.register_fake, or use built-in torch ops"),
+)
+
+
+def explain_trace_error(e: BaseException, model_name: str) -> str:
+    """torch.export's error in the user's terms: what went wrong, the user's source line, the usual
+    cause and the fix, then torch's own first line."""
+    text = f"{type(e).__name__}: {e}"
+    first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+    what, cause = "torch.export failed", (
+        "code torch.export cannot follow (see torch's error below). Fix: simplify forward around that line, or "
+        "wrap the model so forward(*tensors) returns the loss")
+    for pattern, meaning, usual in _TRACE_ERRORS:
+        match = pattern.search(text)
+        if match:
+            what, cause = meaning, usual
+            if match.groups() and match.group(1):
+                what += f" ({match.group(1)})"
+            break
+    return (f"hotswitch could not trace {model_name} with torch.export: {what}, at {_user_frame(e)}. "
+            f"Usual cause: {cause}. (torch: {first.strip()})")
+
+
+def _user_frame(e: BaseException) -> str:
+    """The model's source line the error came from: the line torch names, else the innermost frame
+    outside torch and hotswitch's compiler."""
+    named = re.search(r'The following call raised this error:\s*File "([^"]+)", line (\d+), in (\S+)\s*\n\s*(.+)',
+                      str(e))
+    if named:
+        return f"{named.group(1)}:{named.group(2)} in {named.group(3)} (`{named.group(4).strip()}`)"
+    here = os.path.dirname(os.path.abspath(__file__))
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if f"{os.sep}torch{os.sep}" not in f.filename and not f.filename.startswith(here)]
+    if not frames:
+        return "an unknown line (no frame outside torch)"
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name} (`{(f.line or '').strip()}`)"
 
 
 def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.GraphModule:

@@ -1,10 +1,12 @@
 """distconfig: parallel layouts as plain values (no process group, no compiler).
 
 Placements, device meshes, tensor layouts (each device's box), node topology and the DistConfig
-candidates a job can hot-switch between. Imports only numpy and torch.
+candidates a job can hot-switch between. Imports only numpy; torch only inside the functions that
+cross over to DTensor (`to_torch`, `from_torch`, `DistConfig.device_mesh`), so that the CLI's help
+and pure planning start without it.
 """
 
-from .config import GRAMMAR, DistConfig, standard_configs
+from .config import GRAMMAR, DistConfig, parse_configs, standard_configs
 from .layout import Box, Layout
 from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard, from_torch, to_torch
@@ -24,6 +26,7 @@ __all__ = [
     "Topology",
     "balanced_split",
     "from_torch",
+    "parse_configs",
     "standard_configs",
     "to_torch",
 ]

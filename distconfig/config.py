@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import numbers
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from .mesh import Mesh
 
-__all__ = ["DistConfig", "standard_configs"]
+__all__ = ["DistConfig", "parse_configs", "standard_configs"]
 
 AXIS_NAMES = ("pp", "dp", "tp")
 _COMPACT = re.compile(r"(?:dp(\d+))?(?:tp(\d+))?(?:pp(\d+))?(sp)?")
 GRAMMAR = ("write a config as its compact name, e.g. 'dp4', 'dp2tp2', 'tp4sp', 'tp2pp2' (degrees of 1 may be left "
-           "out), or as key=value pairs, e.g. 'dp=2,tp=2,sp' (keys name, dp, tp, pp, sp, devices)")
+           "out), or as key=value pairs, e.g. 'dp=2,tp=2,sp' (keys name, dp, tp, pp, sp, devices); separate several "
+           "configs with ';' ('dp=4;tp=4,sp'), or with ',' between compact names ('dp4,dp2tp2,tp4sp')")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -187,6 +188,9 @@ class DistConfig:
             key, sep, value = (s.strip() for s in item.partition("="))
             if key == "sp" and not sep:
                 value = "true"
+            if not sep and item != "sp" and _COMPACT.fullmatch(item):
+                raise ValueError(f"DistConfig spec {spec!r}: {item!r} is a whole config; one string is one config "
+                                 f"(or use parse_configs for several); {GRAMMAR}")
             if key not in ("name", "dp", "tp", "pp", "sp", "devices") or (key != "sp" and not sep):
                 raise ValueError(f"DistConfig spec {spec!r}: cannot read {item!r}; {GRAMMAR}")
             if key in fields:
@@ -209,6 +213,34 @@ class DistConfig:
         text = f"{self.name}: dp={self.dp} tp={self.tp} pp={self.pp}{' +sp' if self.sp else ''}"
         text += f" on {self.world_size} device{'s' if self.world_size > 1 else ''}"
         return text + (f" {list(self.devices)}" if self.devices is not None else "")
+
+
+def parse_configs(configs: str | DistConfig | Iterable[str | DistConfig]) -> list[DistConfig]:
+    """The configs of a job as users give them, read by the one grammar (`DistConfig.parse`): a list
+    of DistConfigs and config strings (["dp4", "dp=2,tp=2", DistConfig("long", tp=4, sp=True)]), or
+    one string of several, as command lines take them, separated by ';' ("dp=4;tp=4,sp") or by ','
+    between compact names ("dp4,dp2tp2,tp4sp"; "dp=2,tp=2,sp", with '=', stays one config). At
+    least one config; names unique. `hs.compile`, the Trainer and every CLI command read configs here.
+    """
+    if isinstance(configs, DistConfig):
+        configs = [configs]
+    elif isinstance(configs, str):
+        items = configs.split(";") if ";" in configs else configs.split(",")
+        if ";" not in configs and any("=" in i for i in items):  # "dp=2,tp=2,sp": one config's key=value pairs
+            items = [configs]
+        configs = [i for i in items if i.strip()]
+    elif not isinstance(configs, Iterable):
+        raise ValueError(f"configs must be a list of DistConfigs or config strings, got {type(configs).__name__}: "
+                         f"{configs!r}; {GRAMMAR}")
+    configs = [DistConfig.parse(c) for c in configs]
+    if not configs:
+        raise ValueError(f"no configs given: pass at least one, e.g. ['dp4', 'tp4sp']; {GRAMMAR}")
+    names = [c.name for c in configs]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"configs {names} repeat the name(s) {repeated}: give each config once, or name the "
+                         "variants apart (DistConfig(name=..., ...) or 'name=long,tp=4,sp')")
+    return configs
 
 
 def default_name(dp: int, tp: int, pp: int, sp: bool) -> str:

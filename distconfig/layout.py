@@ -19,7 +19,6 @@ import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard, from_torch
@@ -107,9 +106,9 @@ class Layout:
     def numel(self, device: int) -> int:
         return math.prod(self.local_shape(device))
 
-    def nbytes(self, device: int, itemsize: int | torch.dtype) -> int:
-        """Bytes the device holds; `itemsize` in bytes or a torch dtype."""
-        if isinstance(itemsize, torch.dtype):
+    def nbytes(self, device: int, itemsize) -> int:
+        """Bytes the device holds; `itemsize` in bytes or a torch dtype (anything with .itemsize)."""
+        if not isinstance(itemsize, numbers.Integral):
             itemsize = itemsize.itemsize
         return self.numel(device) * itemsize
 

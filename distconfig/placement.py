@@ -1,14 +1,13 @@
 """How one mesh axis places a tensor: the torch.distributed.tensor vocabulary, as plain values.
 
 Ours are frozen dataclasses (hashable, picklable, comparable) so that layouts and plans can be
-cached and built without a process group; `to_torch` / `from_torch` cross over to DTensor's types.
+cached and built without a process group; `to_torch` / `from_torch` cross over to DTensor's types
+(torch is imported there, not here: `hotswitch --help` and planning never load it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from torch.distributed.tensor import placement_types as _tp
 
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "REDUCE_OPS", "to_torch", "from_torch"]
 
@@ -81,8 +80,10 @@ class Partial(_PlacementKind):
 Placement = Shard | Replicate | Partial
 
 
-def to_torch(p: Placement) -> _tp.Placement:
+def to_torch(p: Placement):
     """Our placement -> the equal torch.distributed.tensor placement."""
+    from torch.distributed.tensor import placement_types as _tp
+
     if isinstance(p, Shard):
         return _tp.Shard(p.dim)
     if isinstance(p, Replicate):
@@ -92,10 +93,12 @@ def to_torch(p: Placement) -> _tp.Placement:
     raise ValueError(f"to_torch expects Shard, Replicate or Partial from distconfig, got {p!r}")
 
 
-def from_torch(p: _tp.Placement) -> Placement:
+def from_torch(p) -> Placement:
     """A torch.distributed.tensor placement -> ours. _StridedShard has no equivalent here (yet)."""
     if isinstance(p, (Shard, Replicate, Partial)):
         return p
+    from torch.distributed.tensor import placement_types as _tp
+
     # _StridedShard is not a Shard subclass in torch 2.13, but guard in case that changes.
     if type(p).__name__ == "_StridedShard":
         raise ValueError(

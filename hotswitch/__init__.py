@@ -8,14 +8,16 @@
 Sub-packages follow the data flow, each importing only those before it: `distconfig` (layouts as
 values), `kernels`, `compiler` (trace, propagate, lower), `switch` (plan and execute switches),
 `runtime` (CompiledModel, pipeline schedules), `train` (Trainer, data, cost model), `elastic`,
-`bench`, `cli`. Names load on first use: `hotswitch plan` never imports the compiler.
+`bench`, `cli`. Every name loads on first use: `import hotswitch` imports nothing else (not even
+torch), so `hotswitch --help` is quick and `hotswitch plan` never imports the compiler.
 """
-from hotswitch.distconfig import DistConfig, Topology
 
 __all__ = ["CompiledModel", "DistConfig", "StepReport", "Topology", "Trainer", "compile", "elastic", "launch",
            "models"]
 
 _LAZY = {  # public name -> (module, attribute or None for the module itself)
+    "DistConfig": ("hotswitch.distconfig", "DistConfig"),
+    "Topology": ("hotswitch.distconfig", "Topology"),
     "compile": ("hotswitch.runtime.compiled_model", "compile"),
     "CompiledModel": ("hotswitch.runtime.compiled_model", "CompiledModel"),
     "Trainer": ("hotswitch.train.trainer", "Trainer"),
@@ -26,11 +28,17 @@ _LAZY = {  # public name -> (module, attribute or None for the module itself)
 }
 
 
+_SUBPACKAGES = ("bench", "cli", "compiler", "distconfig", "distributed", "elastic", "kernels", "models", "runtime",
+                "switch", "train")
+
+
 def __getattr__(name):
-    if name not in _LAZY:
-        raise AttributeError(f"module 'hotswitch' has no attribute {name!r}")
     import importlib
 
+    if name in _SUBPACKAGES and name not in _LAZY:  # `hs.distconfig.Shard` without importing it first
+        return importlib.import_module(f"hotswitch.{name}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'hotswitch' has no attribute {name!r}")
     module, attribute = _LAZY[name]
     value = importlib.import_module(module)
     return value if attribute is None else getattr(value, attribute)

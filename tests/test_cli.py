@@ -1,4 +1,5 @@
 """The `hotswitch` CLI: the demo end to end (4 gloo processes) and its pieces; `hotswitch.launch`."""
+import argparse
 import math
 import os
 import re
@@ -18,26 +19,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 def test_demo_end_to_end():
-    cmd = [
-        sys.executable,
-        "-m",
-        "hotswitch.cli",
-        "demo",
-        "--steps",
-        "2",
-        "--layers",
-        "1",
-        "--batch",
-        "4",
-        "--seq",
-        "16",
-    ]
+    cmd = [sys.executable, "-m", "hotswitch.cli", "demo", "--steps", "2", "--layers", "1", "--batch-size", "4",
+           "--seq-len", "16"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(600))
     out = proc.stdout
     assert proc.returncode == 0, f"demo failed ({proc.returncode}):\n{out}\n{proc.stderr}"
+    # one line for the whole compile, its parts adding up: "hs.compile: T s = tracing a s + lowering b s (...) + ..."
+    total, *parts = (float(x) for x in re.search(
+        r"^hs\.compile: ([\d.]+) s = tracing ([\d.]+) s \+ lowering ([\d.]+) s \(.*\) \+ meshes and layouts "
+        r"(-?[\d.]+) s$", out, re.M).groups())
+    assert abs(sum(parts) - total) < 0.02, out
     for name, title in [("dp4", "dp=4 tp=1 sp=off"), ("dp2tp2", "dp=2 tp=2 sp=off"), ("tp4sp", "dp=1 tp=4 sp=on")]:
-        assert f"compiled {name}" in out
-        assert f"{name}: {title}, compiled in" in out, out
+        assert f"lowering {name} for local inputs" in out, out  # progress while compiling
+        assert f"{name}: {title}, lowered in" in out, out
     # one row per step: "│ step │ loss │ ..." (rich) or "step loss ..." (plain)
     rows = re.findall(r"^\W*(\d+)\W+(-?\d+\.\d{6}|nan|inf)\s", out, re.M)
     assert [int(s) for s, _ in rows] == list(range(6)), out
@@ -47,7 +41,19 @@ def test_demo_end_to_end():
     assert len(re.findall(r"^switch \S+ -> \S+: [\d.]+ s", out, re.M)) == 3  # dp4->dp2tp2->tp4sp->dp4
     assert re.search(r"^state preserved across switches: yes \(max \|Δw\| = ", out, re.M), out
     assert re.search(r"^losses follow the single-device trajectory: yes", out, re.M), out
+    assert re.search(r"^demo finished in [\d.]+ s \(", out, re.M), out
     assert "Traceback" not in proc.stderr, proc.stderr
+    assert_no_repeated_warning(out + proc.stderr)
+
+
+def assert_no_repeated_warning(text: str) -> None:
+    """No warning or log line printed more than once per run (each rank would print its own copy:
+    "[rank2]:W1123 03:35:01.175 29511 torch/...] message")."""
+    lines = [re.sub(r"^\[rank\d+\]:|^[WIE]\d{4} [\d:.]+ \d+ ", "", ln) for ln in text.splitlines()]
+    lines = [re.sub(r"^[WIE]\d{4} [\d:.]+ \d+ ", "", ln).strip() for ln in lines]
+    warnings = [ln for ln in lines if re.search(r"warn|deprecat|falling back", ln, re.I)]
+    repeated = {ln: warnings.count(ln) for ln in set(warnings) if warnings.count(ln) > 1}
+    assert not repeated, repeated
 
 
 def test_parse_config():
@@ -61,6 +67,69 @@ def test_parse_config():
             DistConfig.parse(bad)
     assert demo.default_configs(4) == ["dp4", "dp2tp2", "tp4sp"]
     assert demo.default_configs(2) == ["dp2", "tp2sp"]
+
+
+def _parsers(parser=None, path=("hotswitch",)):
+    """Every (sub-)command's parser, by its command line."""
+    parser = parser or cli.build_parser()
+    yield " ".join(path), parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _parsers(sub, (*path, name))
+
+
+def test_help_is_plain_text_with_every_option_explained_and_defaults_shown():
+    seen = {}
+    for command, parser in _parsers():
+        text = parser.format_help()
+        assert "**" not in text and "`" not in text, (command, text)  # Markdown reads raw on a terminal
+        formatter = parser._get_formatter()
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help, f"{command} {action.option_strings}: no help"
+            shown = formatter._get_help_string(action)
+            assert shown.count("(default:") <= 1, (command, shown)
+            has_default = not (action.default is None or action.default is False or action.default == argparse.SUPPRESS
+                               or action.default == [])  # repeatable options start empty
+            if has_default and action.option_strings:
+                assert "(default:" in shown, (command, action.option_strings, shown)
+            for option in action.option_strings:
+                seen.setdefault(option, set()).add(command)
+    # the options commands share are spelled one way (the old --batch, --seq, --max-length are gone from help)
+    assert not {"--batch", "--seq", "--max-length", "--seq-length", "--world"} & set(seen), sorted(seen)
+    for command in ("hotswitch demo", "hotswitch train", "hotswitch bench train"):
+        for option in ("--world-size", "--configs", "--batch-size", "--seq-len", "--json"):
+            assert command in seen[option], (command, option)
+    for command in ("hotswitch bench switch", "hotswitch bench elastic", "hotswitch plan"):
+        assert command in seen["--json"], command
+
+
+def test_help_imports_no_torch():
+    """Every command's --help builds its parsers without torch (that import costs seconds): the
+    measure of a quick `hotswitch --help` that does not depend on the machine's load."""
+    code = (
+        "import sys, contextlib, io\n"
+        "from hotswitch.cli import main\n"
+        "for argv in ([], ['demo'], ['train'], ['bench'], ['bench', 'switch'], ['bench', 'train'],\n"
+        "             ['bench', 'elastic'], ['plan']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "        main(argv + ['--help'])\n"
+        "heavy = sorted(m for m in ('torch', 'numpy', 'transformers', 'hotswitch.compiler') if m in sys.modules)\n"
+        "assert not heavy, heavy\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(120))
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_configs_option_takes_both_spellings():
+    assert [c.name for c in common.parse_configs("dp4,dp2tp2,tp4sp", 4, "demo")] == ["dp4", "dp2tp2", "tp4sp"]
+    assert [c.name for c in common.parse_configs("dp=4;dp=2,tp=2;tp=4,sp", 4, "train")] == ["dp4", "dp2tp2", "tp4sp"]
+    assert [c.name for c in common.parse_configs("dp=2,tp=2", 4, "train")] == ["dp2tp2"]
+    with pytest.raises(SystemExit, match=r"hotswitch train: --configs: .*'banana'.*compact name, e\.g\. 'dp4'"):
+        common.parse_configs("dp4;banana", 4, "train")
+    with pytest.raises(SystemExit, match="uses dp\\*tp\\*pp = 2 devices but the job has 4"):
+        common.parse_configs("dp2", 4, "demo")
 
 
 def test_main_without_command_prints_help(capsys):

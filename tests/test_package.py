@@ -154,3 +154,18 @@ def test_configs_parse_one_grammar():
         DistConfig.parse("dp2banana")
     with pytest.raises(ValueError, match="a DistConfig or a config string"):
         DistConfig.parse(4)
+
+
+def test_importing_hotswitch_imports_no_torch():
+    """`import hotswitch`, its config grammar and the CLI's parsers load neither torch nor the compiler,
+    so `hotswitch --help` starts in a fraction of a second; names resolve on first use."""
+    proc = _run_outside(
+        "import sys\n"
+        "import hotswitch as hs, hotswitch.distconfig, hotswitch.cli\n"
+        "c = hs.DistConfig.parse('dp=2,tp=2,sp')\n"
+        "c.compute_mesh(); hs.Topology.from_env(4); hotswitch.distconfig.Shard(0)\n"
+        "heavy = sorted(m for m in ('torch', 'hotswitch.compiler', 'hotswitch.runtime') if m in sys.modules)\n"
+        "assert not heavy, heavy\n"
+        "assert hs.distconfig.to_torch(hs.distconfig.Shard(1)).dim == 1 and 'torch' in sys.modules\n"
+        "assert hs.compile.__module__ == 'hotswitch.runtime.compiled_model'\n")
+    assert proc.returncode == 0, proc.stderr

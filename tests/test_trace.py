@@ -88,3 +88,22 @@ def test_sequence_stays_dynamic_when_it_equals_a_weight_dim():
         sizes = [n.meta["val"].shape[1] for n in inputs]
         assert all(isinstance(s, torch.SymInt) and s.node.expr.free_symbols for s in sizes), sizes  # not 64
     assert lg.seq_symbol is not None and lg.seq_symbol.free_symbols
+
+
+@pytest.mark.parametrize("pad", [(0, 1), (2, 0), (1, -1), (-2, 3, 1, 0), (0, 0, 0, 2)])
+def test_constant_pad_matches_torch(pad):
+    from hotswitch.compiler.trace import _constant_pad
+
+    x = torch.arange(24.0).view(2, 3, 4)
+    assert torch.equal(_constant_pad(x, pad, -7.0), torch.nn.functional.pad(x, pad, value=-7.0))
+
+
+def test_hf_internal_loss_keeps_batch_and_sequence_dynamic():
+    """A Hugging Face causal LM given labels pads them by one position (its own loss); aten.pad's
+    kernel would pin the batch and sequence to the example's 3 x 16."""
+    model = build_hf_model("llama").model
+    lg = trace(model, dict(input_ids=IDS, labels=IDS.clone()))
+    for graph in (lg.forward.graph, lg.joint.graph):
+        shapes = [n.meta["val"].shape for n in graph.nodes if n.op == "placeholder"][-2:]
+        assert all(isinstance(s, torch.SymInt) for shape in shapes for s in shape), shapes
+    assert lg.call.tensor_names == ("input_ids", "labels") and lg.split_loss

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _train(*args, timeout=1200):
     cmd = [sys.executable, "-m", "hotswitch.cli", "train", "--world-size", "2", "--configs", "dp=2;tp=2,sp",
-           "--batch-size", "12", "--max-length", "64", "--micro-batch-tokens", "64", "--buckets", "32,64", *args]
+           "--batch-size", "12", "--seq-len", "64", "--micro-batch-tokens", "64", "--buckets", "32,64", *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=scaled(timeout))
     assert proc.returncode == 0, f"train failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr, proc.stderr

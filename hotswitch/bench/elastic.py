@@ -20,7 +20,6 @@ reconfiguration time, which adds regrouping and compiling the new configs.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import statistics
@@ -28,6 +27,8 @@ import sys
 import tempfile
 import time
 from dataclasses import replace
+
+from hotswitch.progress import write_json
 
 __all__ = ["run"]
 
@@ -67,9 +68,9 @@ def run(model: str, repeats: int, json_path: str) -> int:
         s["ratios"] = dict(one_rank=g / h, checkpoint=c / h, checkpoint_restart=(c + restart) / h)
         print(f"{s['name']:<36} {h * 1e3:8.1f}ms {g * 1e3:8.1f}ms {c * 1e3:9.1f}ms   {g / h:6.1f}x "
               f"{c / h:6.1f}x {(c + restart) / h:8.0f}x   ({s['mib_moved']:.1f} MiB moved by hotswitch)")
-    with open(json_path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {json_path}")
+    write_json(json_path, result)
+    if json_path != "-":
+        print(f"wrote {json_path}")
     return 0
 
 

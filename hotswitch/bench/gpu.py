@@ -124,44 +124,49 @@ def _time(fn, repeats: int) -> float:
 def pack_bandwidth(options: GpuBenchOptions, log=print) -> list[dict]:
     """Pack and unpack of n strided row slices (every other row of a [2n, size] bf16 matrix), as a
     fraction of the copy bandwidth of the same bytes."""
-    from hotswitch.kernels import pack, unpack
-
     rows = []
     log(f"{'slices':>8} {'slice':>8} {'MB':>8} {'copy GB/s':>10} {'pack GB/s':>10} {'pack/copy':>9} "
         f"{'unpack GB/s':>11} {'unpack/copy':>11}")
     for n in options.slice_counts:
         for size in options.slice_bytes:
-            total = n * size
-            if total > options.max_bytes:
+            if n * size > options.max_bytes:
                 continue
-            cols = size // 2  # bf16
-            source = torch.randn(2 * n, cols, device="cuda", dtype=torch.bfloat16)
-            slices = [(source, (slice(2 * i, 2 * i + 1), slice(None))) for i in range(n)]
-            out = torch.empty(n * cols, device="cuda", dtype=torch.bfloat16)
-            pack(slices, out=out, backend="torch")
-            reference = out.clone()
-            pack(slices, out=out, backend="triton")
-            if not torch.equal(out, reference):
-                raise AssertionError(f"Triton pack differs from the torch fallback for {n} slices of {size} B")
-            target = torch.zeros_like(source)
-            unpack(out, [(target, s) for _, s in slices], backend="triton")
-            if not torch.equal(target[::2], source[::2]) or target[1::2].any():
-                raise AssertionError(f"Triton unpack did not restore {n} slices of {size} B")
-            flat_src, flat_dst = source.view(-1)[: n * cols], torch.empty(n * cols, device="cuda", dtype=torch.bfloat16)
-            moved = 2 * total  # read + write
-            copy_s = _time(lambda: flat_dst.copy_(flat_src), options.repeats)
-            pack_s = _time(lambda: pack(slices, out=out, backend="triton"), options.repeats)
-            unpack_s = _time(lambda: unpack(out, [(target, s) for _, s in slices], backend="triton"), options.repeats)
-            row = dict(slices=n, slice_bytes=size, bytes=total, copy_gbps=moved / copy_s / 1e9,
-                       pack_gbps=moved / pack_s / 1e9, unpack_gbps=moved / unpack_s / 1e9)
-            row["pack_fraction"] = row["pack_gbps"] / row["copy_gbps"]
-            row["unpack_fraction"] = row["unpack_gbps"] / row["copy_gbps"]
+            row = _pack_case(n, size, options.repeats)
             rows.append(row)
-            log(f"{n:>8} {_size(size):>8} {total / 1e6:>8.1f} {row['copy_gbps']:>10.0f} {row['pack_gbps']:>10.0f} "
-                f"{row['pack_fraction']:>9.2f} {row['unpack_gbps']:>11.0f} {row['unpack_fraction']:>11.2f}")
-            del source, out, target, flat_dst, slices
+            log(f"{n:>8} {_size(size):>8} {row['bytes'] / 1e6:>8.1f} {row['copy_gbps']:>10.0f} "
+                f"{row['pack_gbps']:>10.0f} {row['pack_fraction']:>9.2f} {row['unpack_gbps']:>11.0f} "
+                f"{row['unpack_fraction']:>11.2f}")
             torch.cuda.empty_cache()
     return rows
+
+
+def _pack_case(n: int, size: int, repeats: int) -> dict:
+    from hotswitch.kernels import pack, unpack
+
+    cols = size // 2  # bf16
+    source = torch.randn(2 * n, cols, device="cuda", dtype=torch.bfloat16)
+    slices = [(source, (slice(2 * i, 2 * i + 1), slice(None))) for i in range(n)]
+    out = torch.empty(n * cols, device="cuda", dtype=torch.bfloat16)
+    pack(slices, out=out, backend="torch")
+    reference = out.clone()
+    pack(slices, out=out, backend="triton")
+    if not torch.equal(out, reference):
+        raise AssertionError(f"Triton pack differs from the torch fallback for {n} slices of {size} B")
+    target = torch.zeros_like(source)
+    targets = [(target, s) for _, s in slices]
+    unpack(out, targets, backend="triton")
+    if not torch.equal(target[::2], source[::2]) or target[1::2].any():
+        raise AssertionError(f"Triton unpack did not restore {n} slices of {size} B")
+    flat_src, flat_dst = source.view(-1)[: n * cols], torch.empty(n * cols, device="cuda", dtype=torch.bfloat16)
+    moved = 2 * n * size  # read + write
+    copy_s = _time(lambda: flat_dst.copy_(flat_src), repeats)
+    pack_s = _time(lambda: pack(slices, out=out, backend="triton"), repeats)
+    unpack_s = _time(lambda: unpack(out, targets, backend="triton"), repeats)
+    row = dict(slices=n, slice_bytes=size, bytes=n * size, copy_gbps=moved / copy_s / 1e9,
+               pack_gbps=moved / pack_s / 1e9, unpack_gbps=moved / unpack_s / 1e9)
+    row["pack_fraction"] = row["pack_gbps"] / row["copy_gbps"]
+    row["unpack_fraction"] = row["unpack_gbps"] / row["copy_gbps"]
+    return row
 
 
 def _size(n: int) -> str:
@@ -188,6 +193,7 @@ def rank_steps(options: GpuBenchOptions, checked: dict, log=print) -> list[dict]
         batch = torch.randint(0, options.vocab_size, (options.micro_batch * config.dp, options.seq_len))
         rows_local = options.micro_batch
         hf_seconds = _hf_step_seconds(options, rows_local, options.repeats)
+        torch.cuda.empty_cache()  # the profiling processes need the memory back
         hf_tokens_per_s = rows_local * options.seq_len / hf_seconds
         for backend in ("eager", "inductor") if options.inductor else ("eager",):
             p = profile_rank(build, (batch, batch), config, rank=0, repeats=options.repeats, device="cuda",
@@ -219,7 +225,4 @@ def _hf_step_seconds(options: GpuBenchOptions, rows: int, repeats: int) -> float
         model(x, x).backward()
         model.zero_grad(set_to_none=True)
 
-    seconds = _time(step, repeats)
-    del model
-    torch.cuda.empty_cache()  # the profiling processes need the memory back
-    return seconds
+    return _time(step, repeats)

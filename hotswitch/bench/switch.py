@@ -13,7 +13,6 @@ DCP saves and loads each rank's own stage's parameters.
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hotswitch.distconfig import standard_configs
+from hotswitch.progress import write_json
 
 ALGORITHMS = ("greedy", "fcfs", "round_robin", "gather")
 
@@ -234,9 +234,7 @@ def run(world_size=4, devices_per_node=2, model="gpt2-23m", configs=None, repeat
     else:
         result = launch(*args, devices_per_node=devices_per_node)
         result["network"] = "loopback: every byte costs the same, inter-node or not"
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(json_path, result)
     if png_path:
         plot(result, png_path)
     return result

@@ -11,11 +11,11 @@ of the hot step time spent switching. Default configs: dp=W and tp=W,sp.
 """
 from __future__ import annotations
 
-import json
 import sys
 import time
 from dataclasses import asdict
 
+from hotswitch.progress import write_json
 from hotswitch.train.loop import TrainingRun, TrainOptions, summary_line
 
 __all__ = ["run"]
@@ -43,9 +43,8 @@ def run(opts: TrainOptions, budget_fraction: float, json_path: str) -> int:
         print(f"\nhot switching {h['tokens_per_second']:,.0f} tokens/s vs the best static config that fits "
               f"({out['best_static']}) {b['tokens_per_second']:,.0f} tokens/s: ratio {out['ratio']:.2f}x; "
               f"switching takes {100 * h['switch_share']:.1f}% of the hot step time")
-    with open(json_path, "w") as f:
-        json.dump(out, f, indent=1, default=str)
-    print(f"wrote {json_path} (total {out['seconds']:.0f} s)")
+    write_json(json_path, out)
+    print(f"{'' if json_path == '-' else f'wrote {json_path} '}(total {out['seconds']:.0f} s)")
     return 0
 
 

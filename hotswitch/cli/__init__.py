@@ -14,19 +14,30 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hotswitch.cli import bench, demo, plan, train
-
-    parser = argparse.ArgumentParser(prog="hotswitch", description="Compile a model once for several parallel "
-                                     "layouts (DistConfigs) and hot-switch between them while training.")
-    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for command in (demo, train, bench, plan):
-        command.add_parser(subparsers)
+    parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
     return args.run(args) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `hotswitch` parser and its sub-commands' (torch is not imported to build them)."""
+    from hotswitch.cli import bench, demo, plan, train
+    from hotswitch.cli.common import HelpFormatter
+
+    parser = argparse.ArgumentParser(prog="hotswitch", formatter_class=HelpFormatter,
+                                     description="Compile a model once for several parallel layouts (DistConfigs) "
+                                     "and hot-switch between them while training.",
+                                     epilog="'hotswitch COMMAND --help' describes a command. In Python: import "
+                                     "hotswitch as hs; hs.compile(model, example_inputs, ['dp4', 'tp4sp']); examples "
+                                     "to copy are in the repository's examples/ folder.")
+    subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
+    for command in (demo, train, bench, plan):
+        command.add_parser(subparsers)
+    return parser

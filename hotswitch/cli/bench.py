@@ -2,29 +2,36 @@
 `hotswitch.bench`)."""
 from __future__ import annotations
 
-import argparse
 import sys
 
-from hotswitch.cli.common import add_train_arguments
+from hotswitch.cli.common import (
+    HelpFormatter,
+    add_configs_argument,
+    add_json_argument,
+    add_train_arguments,
+    parse_configs,
+    plain,
+)
 
 __all__ = ["add_parser"]
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks")
+    p = subparsers.add_parser("bench", help="benchmarks: switch, train, elastic", formatter_class=HelpFormatter,
+                              description="Measure what hot switching costs and gains; 'hotswitch bench BENCH --help' "
+                              "describes each.")
     sub = p.add_subparsers(title="benchmarks", metavar="BENCH")
     q = sub.add_parser(
         "switch",
         help="measure every ordered pair of configs: planner algorithms, DTensor redistribute, "
         "torch.distributed.checkpoint save + load",
         description=_docstring("hotswitch.bench.switch"),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
-    q.add_argument("--world-size", type=int, default=4)
-    q.add_argument("--devices-per-node", type=int, default=2, help="processes per simulated node (default 2)")
-    q.add_argument("--model", default="gpt2-23m", help="built-in model (default gpt2-23m, 23M parameters)")
-    q.add_argument("--configs", default=None, help="semicolon-separated DistConfig specs (default: "
-                   "'dp=4;dp=2,tp=2;tp=4;tp=4,sp;dp=1,tp=2,pp=2;dp=2,pp=2' scaled to --world-size)")
+    q.add_argument("--world-size", type=int, default=4, help="processes to spawn")
+    q.add_argument("--devices-per-node", type=int, default=2, help="processes per simulated node")
+    q.add_argument("--model", default="gpt2-23m", help="built-in model (gpt2-23m has 23M parameters)")
+    add_configs_argument(q, "dp4;dp2tp2;tp4;tp4sp;tp2pp2;dp2pp2, scaled to --world-size")
     q.add_argument("--repeats", type=int, default=5, help="timed runs per switch; the median is reported")
     q.add_argument(
         "--emulate-nodes",
@@ -32,29 +39,28 @@ def add_parser(subparsers) -> None:
         help="run each node's processes in its own network namespace, "
         "nodes joined by rate-limited links (needs root and iproute2), so inter-node bytes cost what they would",
     )
-    q.add_argument(
-        "--inter-node-gbit", type=float, default=1.0, help="inter-node link rate with --emulate-nodes (default 1)"
-    )
-    q.add_argument("--json", default="bench_switch.json", help="where to write the results (default bench_switch.json)")
-    q.add_argument("--plot", default="bench_switch.png", help="where to draw the chart (default bench_switch.png)")
+    q.add_argument("--inter-node-gbit", type=float, default=1.0, help="inter-node link rate in Gbit/s with "
+                   "--emulate-nodes")
+    add_json_argument(q, "bench_switch.json", "the results")
+    q.add_argument("--plot", default="bench_switch.png", metavar="PATH", help="where to draw the chart")
     q.set_defaults(run=run_bench_switch)
 
     q = sub.add_parser("train", help="tokens/s of hot-switched mixed-length training vs the best static config "
                        "that fits the same memory budget", description=_docstring("hotswitch.bench.train"),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+                       formatter_class=HelpFormatter)
     add_train_arguments(q)
-    q.set_defaults(steps=4, configs="dp=4;tp=4,sp")
+    q.set_defaults(steps=4)
     q.add_argument("--budget-fraction", type=float, default=0.9, help="without --memory-budget-mib: the budget is "
                    "this fraction of pure DP's estimated peak at the longest bucket, so long rows do not fit pure DP")
-    q.add_argument("--json", default="bench_train.json", help="where to write the results (default bench_train.json)")
+    add_json_argument(q, "bench_train.json", "the results")
     q.set_defaults(run=run_bench_train)
 
     q = sub.add_parser("elastic", help="a change of devices: hotswitch's planned move vs gathering on one rank vs "
                        "checkpoint + restart + load", description=_docstring("hotswitch.bench.elastic"),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    q.add_argument("--model", default="gpt-small", help="built-in model (default gpt-small)")
+                       formatter_class=HelpFormatter)
+    q.add_argument("--model", default="gpt-small", help="built-in model")
     q.add_argument("--repeats", type=int, default=3, help="timed runs per method; the median is reported")
-    q.add_argument("--json", default="bench_elastic.json", help="where to write the results")
+    add_json_argument(q, "bench_elastic.json", "the results")
     q.set_defaults(run=run_bench_elastic)
     p.set_defaults(run=lambda args: p.print_help() or 2)
 
@@ -66,7 +72,7 @@ def _docstring(module: str) -> str:
 
     spec = importlib.util.find_spec(module)
     with open(spec.origin) as f:
-        return ast.get_docstring(ast.parse(f.read())) or ""
+        return plain(ast.get_docstring(ast.parse(f.read())) or "")
 
 
 def run_bench_train(args) -> int:
@@ -84,15 +90,18 @@ def run_bench_elastic(args) -> int:
 
 def run_bench_switch(args) -> int:
     from hotswitch.bench import switch as bench_switch
+    from hotswitch.distconfig import DistConfig
     from hotswitch.models import MODEL_CONFIGS
 
     if args.model not in MODEL_CONFIGS:
         print(f"unknown model {args.model!r}; built-in models: {', '.join(MODEL_CONFIGS)}", file=sys.stderr)
         return 2
     w = args.world_size
-    configs = args.configs.split(";") if args.configs else bench_switch.default_configs(w)
+    configs = [c.spec() for c in parse_configs(args.configs, w, "bench switch")] if args.configs \
+        else bench_switch.default_configs(w)
+    names = [DistConfig.parse(c).name for c in configs]
     print(
-        f"benchmarking switches of {args.model} between {configs} on {w} processes, "
+        f"benchmarking switches of {args.model} between {', '.join(names)} on {w} processes, "
         f"{args.devices_per_node} per node ...",
         flush=True,
     )

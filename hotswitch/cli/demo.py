@@ -7,7 +7,17 @@ import sys
 import time
 from dataclasses import dataclass
 
-from hotswitch.cli.common import format_counts, plural, progress, render_table
+from hotswitch.cli.common import (
+    HelpFormatter,
+    add_configs_argument,
+    add_json_argument,
+    format_counts,
+    parse_configs,
+    plural,
+    progress,
+    render_table,
+    write_json,
+)
 from hotswitch.progress import Progress
 
 __all__ = ["add_parser"]
@@ -21,30 +31,29 @@ class DemoOptions:
     layers: int | None
     configs: tuple[str, ...]
     steps: int
-    batch: int
-    seq: int
+    batch_size: int
+    seq_len: int
     lr: float
     seed: int
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("demo", help="train a small GPT on CPU processes, hot-switching between DistConfigs",
+                              formatter_class=HelpFormatter,
                               description="Spawn --world-size CPU processes (gloo), compile one model for several "
                               "DistConfigs, train a few SGD steps under each on a fixed synthetic batch, switch "
                               "between them, and check the state and loss against a single-device run.")
     p.add_argument("--world-size", type=int, default=None,
-                   help="processes to spawn (default 4; under torchrun: its WORLD_SIZE)")
-    p.add_argument(
-        "--model", default="gpt-tiny", help="built-in model (hotswitch.models.MODEL_CONFIGS; default gpt-tiny)"
-    )
+                   help="processes to spawn (default: 4; under torchrun: its WORLD_SIZE)")
+    p.add_argument("--model", default="gpt-tiny", help="built-in model (hotswitch.models.MODEL_CONFIGS)")
     p.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
-    p.add_argument("--configs", default=None, help="comma-separated DistConfigs like dp4,dp2tp2,tp4sp "
-                   "(default: dp<W>, dp<W/2>tp2, tp<W>sp)")
-    p.add_argument("--steps", type=int, default=3, help="SGD steps per config (default 3)")
-    p.add_argument("--batch", type=int, default=8, help="global batch size (default 8)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
-    p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate (default 0.5)")
-    p.add_argument("--seed", type=int, default=0)
+    add_configs_argument(p, "dp<W>, dp<W/2>tp2, tp<W>sp for W processes")
+    p.add_argument("--steps", type=int, default=3, help="SGD steps per config")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per global batch")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    p.add_argument("--lr", type=float, default=0.5, help="SGD learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seeds the weights and the batch")
+    add_json_argument(p, None, "the losses, switch times and checks")
     p.set_defaults(run=run_demo)
 
 
@@ -63,22 +72,21 @@ def run_demo(args) -> int:
     if args.model not in MODEL_CONFIGS:
         raise SystemExit(f"hotswitch demo: unknown model {args.model!r}; choose from {', '.join(MODEL_CONFIGS)}")
     world_size = args.world_size or int(os.environ.get("WORLD_SIZE", 4))
-    try:
-        names = (
-            [DistConfig.parse(c).name for c in args.configs.split(",")] if args.configs else default_configs(world_size)
-        )
-        for name in names:
-            DistConfig.parse(name).check_world_size(world_size)
-    except ValueError as e:
-        raise SystemExit(f"hotswitch demo: {e}")
-    if args.steps < 1 or args.batch < 1 or args.seq < 2 or (args.layers is not None and args.layers < 1):
-        raise SystemExit("hotswitch demo: need --steps >= 1, --batch >= 1, --seq >= 2 and --layers >= 1")
-    opts = DemoOptions(args.model, args.layers, tuple(names), args.steps, args.batch, args.seq, args.lr, args.seed)
+    if args.configs:
+        names = [c.spec() for c in parse_configs(args.configs, world_size, "demo")]
+    else:
+        names = [DistConfig.parse(n).spec() for n in default_configs(world_size)]
+    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2 or (args.layers is not None and args.layers < 1):
+        raise SystemExit("hotswitch demo: need --steps >= 1, --batch-size >= 1, --seq-len >= 2 and --layers >= 1")
+    opts = DemoOptions(args.model, args.layers, tuple(names), args.steps, args.batch_size, args.seq_len, args.lr,
+                       args.seed)
     model = args.model + (f" ({plural(args.layers, 'layer')})" if args.layers else "")
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs this
     say = progress if rank0 else (lambda message: None)
-    say(f"hotswitch demo: {model} on {world_size} CPU processes (gloo), configs {', '.join(names)}; "
-        f"{plural(args.steps, 'SGD step')} each, batch {args.batch} x seq {args.seq}, lr {args.lr}")
+    shown = ", ".join(DistConfig.parse(n).name for n in names)
+    say(f"hotswitch demo: {model} on {world_size} CPU processes (gloo), configs {shown}; "
+        f"{plural(args.steps, 'SGD step')} each, batch of {args.batch_size} sequences x {args.seq_len} tokens, "
+        f"lr {args.lr}")
     t0 = time.perf_counter()
     try:
         result = launch(_demo_worker, world_size, opts)
@@ -88,7 +96,9 @@ def run_demo(args) -> int:
     if not rank0:
         return 0
     _print_demo(result, opts)
-    progress(f"total {time.perf_counter() - t0:.1f} s")
+    write_json(args.json, result)
+    progress(f"demo finished in {time.perf_counter() - t0:.1f} s (start of {world_size} processes, the single-device "
+             "reference, hs.compile, training, switching, checks)")
     return 0 if result["ok"] else 1
 
 
@@ -119,7 +129,7 @@ def _demo_worker(rank: int, opts: DemoOptions) -> dict | None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
     torch.manual_seed(opts.seed)
     model = build_model(opts.model, **({"n_layers": opts.layers} if opts.layers else {}))
-    ids, labels = synthetic_batch(model.cfg.vocab_size, opts.batch, opts.seq, opts.seed + 1)
+    ids, labels = synthetic_batch(model.cfg.vocab_size, opts.batch_size, opts.seq_len, opts.seed + 1)
     configs = [DistConfig.parse(n) for n in opts.configs]
     total_steps = opts.steps * len(configs)
 
@@ -138,16 +148,15 @@ def _demo_worker(rank: int, opts: DemoOptions) -> dict | None:
         del ref
 
     n_params = sum(p.numel() for p in model.parameters())
-    say(f"tracing {opts.model} ({n_params / 1e6:.2f}M parameters) and compiling {', '.join(opts.configs)} ...")
+    say(f"tracing {opts.model} ({n_params / 1e6:.2f}M parameters) and compiling "
+        f"{', '.join(c.name for c in configs)} ...")
     t = time.perf_counter()
     cm = hs.compile(model, (ids, labels), configs=configs, progress=Progress() if rank == 0 else None)
     compile_total = time.perf_counter() - t
     lowering = {c.name: cm.compile_seconds(c.name) for c in configs}
-    for name, s in lowering.items():
-        say(f"  compiled {name:<10} {s:6.2f} s")
-    say(f"  hs.compile took {compile_total:.2f} s: tracing {cm.trace_seconds:.2f} s, lowering "
-        f"{sum(lowering.values()):.2f} s, the rest (meshes, layouts) "
-        f"{compile_total - cm.trace_seconds - sum(lowering.values()):.2f} s")
+    each, lowered = ", ".join(f"{name} {s:.2f}" for name, s in lowering.items()), sum(lowering.values())
+    say(f"hs.compile: {compile_total:.2f} s = tracing {cm.trace_seconds:.2f} s + lowering {lowered:.2f} s ({each}) "
+        f"+ meshes and layouts {compile_total - cm.trace_seconds - lowered:.2f} s")
 
     rows: dict[str, list[dict]] = {}
     switches = []
@@ -217,7 +226,7 @@ def _print_demo(result: dict, opts: DemoOptions) -> None:
         table = [[str(r["step"]), f"{r['loss']:.6f}", f"{abs(r['loss'] - r['ref']):.1e}", f"{r['seconds'] * 1e3:.1f}",
                   format_counts(coll["forward"]), format_counts(coll["backward"]), format_counts(coll["reduce"])]
                  for r in rows]
-        render_table(f"{name}: dp={dp} tp={tp} sp={'on' if sp else 'off'}, compiled in "
+        render_table(f"{name}: dp={dp} tp={tp} sp={'on' if sp else 'off'}, lowered in "
                      f"{result['lowering'][name]:.2f} s", columns, table)
     print()
     for s in result["switches"]:

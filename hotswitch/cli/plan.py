@@ -5,40 +5,38 @@ from __future__ import annotations
 import sys
 import time
 
-from hotswitch.cli.common import render_table
+from hotswitch.cli.common import HelpFormatter, add_json_argument, render_table, write_json
 
 __all__ = ["add_parser"]
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("plan", help="plan one switch of a large model on a simulated GPU cluster "
-                              "(no GPU needed)",
+                              "(no GPU needed)", formatter_class=HelpFormatter,
                               description="Plan the switch of a model's state (GPT-3 / LLaMA-2, described without "
                               "weights) from one DistConfig to another on --devices GPUs with every algorithm, and "
                               "price each plan with the cluster simulator (NVLink inside a node, one NIC per GPU "
                               "between nodes, per-message latency): bytes moved, inter-node bytes, busiest sender, "
                               "lower bound, simulated seconds and planning time.")
-    p.add_argument("--model", default="gpt3-175b", help="model name (hotswitch.cluster.MODELS; default gpt3-175b)")
-    p.add_argument("--devices", type=int, default=1024, help="GPUs in the job (default 1024)")
-    p.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--from", dest="src", default="dp=8,tp=8,pp=16", metavar="SPEC",
-                   help="source DistConfig spec (default 'dp=8,tp=8,pp=16')")
-    p.add_argument("--to", dest="dst", default="dp=16,tp=4,pp=16", metavar="SPEC",
-                   help="destination DistConfig spec (default 'dp=16,tp=4,pp=16')")
+    p.add_argument("--model", default="gpt3-175b", help="model name (hotswitch.switch.cluster.MODELS)")
+    p.add_argument("--devices", type=int, default=1024, help="GPUs in the simulated job")
+    p.add_argument("--devices-per-node", type=int, default=8, help="GPUs per node")
+    p.add_argument("--from", dest="src", default="dp=8,tp=8,pp=16", metavar="CONFIG",
+                   help="source DistConfig ('dp8tp8pp16' or 'dp=8,tp=8,pp=16')")
+    p.add_argument("--to", dest="dst", default="dp=16,tp=4,pp=16", metavar="CONFIG", help="destination DistConfig")
     p.add_argument("--intra-bw", type=float, default=450.0, metavar="GBPS",
-                   help="GB/s per GPU and direction inside a node (default 450, NVLink)")
+                   help="GB/s per GPU and direction inside a node (NVLink)")
     p.add_argument("--inter-bw", type=float, default=50.0, metavar="GBPS",
-                   help="GB/s per GPU and direction between nodes (default 50, one 400 Gb/s NIC per GPU)")
+                   help="GB/s per GPU and direction between nodes (one 400 Gb/s NIC per GPU)")
     p.add_argument("--with-grads", action="store_true", help="also move fp32 gradients (4 B/param)")
     p.add_argument("--with-optimizer", action="store_true",
                    help="also move fp32 master weights and Adam moments (12 B/param)")
-    p.add_argument("--json", action="store_true", help="print JSON (greedy plan at the top level) instead of a table")
+    add_json_argument(p, None, "every algorithm's plan (greedy's at the top level; no table)")
     p.add_argument("--plot", default=None, metavar="PATH", help="draw each plan's bytes sent per device as a heatmap")
     p.set_defaults(run=run_plan)
 
 
 def run_plan(args) -> int:
-    import json
     import math
 
     from hotswitch.distconfig import DistConfig
@@ -74,7 +72,7 @@ def run_plan(args) -> int:
                **{k: greedy[k] for k in ("bytes_moved", "inter_node_bytes", "max_send_bytes", "lower_bound_bytes",
                                          "lower_bound_seconds", "estimated_seconds")},
                "algorithms": rows}
-        print(json.dumps(out, indent=2))
+        write_json(args.json, out)
         return 0
     gb = lambda b: f"{b / 1e9:,.1f}"  # noqa: E731
     columns = ["algorithm", "moved GB", "inter GB", "max send GB", "bound GB", "bound s", "simulated s", "x bound",

@@ -17,21 +17,28 @@ over the dataset) and runs `Trainer.step`; rank 0 prints one line per step and a
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 import time
 
-from hotswitch.cli.common import add_train_arguments
+from hotswitch.cli.common import (
+    HelpFormatter,
+    add_json_argument,
+    add_train_arguments,
+    parse_configs,
+    plain,
+    write_json,
+)
 
 __all__ = ["add_parser", "options"]
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("train", help="mixed-length training with hot switching on CPU processes",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=plain(__doc__), formatter_class=HelpFormatter)
     add_train_arguments(p)
+    add_json_argument(p, None, "rank 0's result (per-step reports and the summary)")
     p.add_argument("--static", default=None, metavar="CONFIG",
                    help="run the same data under this one config (e.g. 'dp=4' or 'tp=4,sp'), without switching")
     p.add_argument("--save-final", default=None, metavar="PATH", help="write the final full state dict (torch.save)")
@@ -44,11 +51,10 @@ def add_parser(subparsers) -> None:
                    "new workers before global batch STEP (repeatable; needs --elastic)")
     e.add_argument("--checkpoint-dir", default=None, help="asynchronous DCP checkpoints (default: a new temporary "
                    "directory, printed)")
-    e.add_argument("--checkpoint-every", type=int, default=2, help="checkpoint every N steps (default 2)")
-    e.add_argument("--step-timeout", type=float, default=30.0, help="seconds a collective may wait for a peer "
-                   "inside a step before the peer counts as gone (default 30)")
+    e.add_argument("--checkpoint-every", type=int, default=2, metavar="N", help="checkpoint every N steps")
+    e.add_argument("--step-timeout", type=float, default=30.0, metavar="SECONDS", help="seconds a collective may wait "
+                   "for a peer inside a step before the peer counts as gone")
     p.set_defaults(run=run_train)
-
 
 
 def options(args, **extra):
@@ -62,24 +68,21 @@ def options(args, **extra):
         )
     if args.steps < 1 or args.batch_size < 1 or args.world_size < 1:
         raise SystemExit("hotswitch: need --steps >= 1, --batch-size >= 1 and --world-size >= 1")
+    if args.configs:
+        configs = parse_configs(args.configs, args.world_size, "train")
+    else:  # HotSPa's two ends: pure DP for short rows, TP+SP for long ones
+        configs = [c for c in standard_configs(args.world_size) if c.tp == 1 or c.sp and c.dp == 1]
     try:
-        if args.configs:
-            configs = [DistConfig.parse(s) for s in args.configs.split(";")]
-        else:
-            # HotSPa's two ends: pure DP for short rows, TP+SP for long ones
-            configs = [c for c in standard_configs(args.world_size) if c.tp == 1 or c.sp and c.dp == 1]
         static = getattr(args, "static", None)
         if static:
             static = DistConfig.parse(static).spec()
             DistConfig.parse(static).check_world_size(args.world_size)
-        for c in configs:
-            c.check_world_size(args.world_size)
         buckets = tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None
     except ValueError as e:
         raise SystemExit(f"hotswitch: {e}")
     if args.dataset != "synthetic-skewed" and not os.path.isfile(args.dataset):
         raise SystemExit(f"hotswitch: dataset {args.dataset!r} is neither 'synthetic-skewed' nor a JSONL file")
-    max_length = args.max_length or (MODEL_CONFIGS[args.model].max_seq_len if args.model in MODEL_CONFIGS else 256)
+    max_length = args.seq_len or (MODEL_CONFIGS[args.model].max_seq_len if args.model in MODEL_CONFIGS else 256)
     budget = args.memory_budget_mib * 2**20 if args.memory_budget_mib else None
     extra.update(_elastic_options(args))
     return TrainOptions(args.model, args.world_size, args.dataset, args.steps, args.batch_size, max_length,
@@ -129,7 +132,7 @@ def run_train(args) -> int:
 
     opts = options(args)
     if opts.elastic is not None:
-        return _run_elastic_train(opts)
+        return _run_elastic_train(opts, getattr(args, "json", None))
     what = f"static {_name(opts.static)}" if opts.static else "configs " + ", ".join(_name(c) for c in opts.configs)
     if opts.memory_budget:
         what += f", memory budget {opts.memory_budget / 2**20:g} MiB per rank"
@@ -142,11 +145,11 @@ def run_train(args) -> int:
         print(f"hotswitch train: {e}", file=sys.stderr, flush=True)
         return 1
     print(summary_line(result), flush=True)
+    write_json(getattr(args, "json", None), result)
     if opts.save_final:
         print(f"wrote {opts.save_final}", flush=True)
     print(f"total {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
-
 
 
 def _name(spec: str) -> str:
@@ -155,8 +158,7 @@ def _name(spec: str) -> str:
     return DistConfig.parse(spec).name
 
 
-
-def _run_elastic_train(opts) -> int:
+def _run_elastic_train(opts, json_path: str | None = None) -> int:
     from hotswitch.elastic.membership import ElasticError, run_elastic
 
     low, high = opts.elastic
@@ -181,11 +183,11 @@ def _run_elastic_train(opts) -> int:
               + (f", {r['replayed_steps']} steps replayed" if r["replayed_steps"] else ""), flush=True)
     print(f"{result['steps']} steps on workers {', '.join(result['workers'])} under {', '.join(result['configs'])}; "
           f"final loss {result['loss']:.4f}", flush=True)
+    write_json(json_path, result)
     if opts.save_final:
         print(f"wrote {opts.save_final}", flush=True)
     print(f"total {time.perf_counter() - t0:.1f} s", flush=True)
     return 0
-
 
 
 def _elastic_worker(membership, opts):
@@ -226,7 +228,6 @@ def _elastic_worker(membership, opts):
         if result is not None:
             torch.save(state, opts.save_final)
     return result
-
 
 
 def _train_worker(rank: int, opts) -> dict:

@@ -7,6 +7,7 @@ cached), and the local shards of the active config's parameters and gradients.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,7 @@ from hotswitch.compiler import _dtensor as dt
 from hotswitch.compiler.cache import default_cache
 from hotswitch.compiler.lower import ShardingDecisions
 from hotswitch.compiler.program import StageMesh, StageProgram, lower_program
+from hotswitch.compiler.signature import ModelCall
 from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
 from hotswitch.compiler.trace import LogicGraph, trace
@@ -88,13 +90,15 @@ class CompiledModel:
         self._plans = PlanCache()
         self.last_switch: SwitchStats | None = None
         self._configs = tuple(configs)
-        self._example_inputs = tuple(example_inputs)
         self._report = report = progress or (lambda message: None)
         t0 = time.perf_counter()
         # `logic`: this model's LogicGraph from an earlier compile (elastic changes re-compile, not re-trace)
         if logic is None:
             report("tracing the model (torch.export, core ATen, joint forward + backward graph)")
-        self.logic: LogicGraph = logic if logic is not None else trace(model, self._example_inputs)
+        self.logic: LogicGraph = logic if logic is not None else trace(model, example_inputs)
+        self.call: ModelCall = self.logic.call or ModelCall.of(model, example_inputs)
+        self._example_inputs = self.call.flatten_example(example_inputs)  # its tensors, in the graphs' order
+        self._warned_unsharded = False
         self.trace_seconds = time.perf_counter() - t0
         if logic is None:
             report(f"traced in {self.trace_seconds:.1f} s: {len(self.logic.joint.graph.nodes)} nodes, "
@@ -251,11 +255,16 @@ class CompiledModel:
             list(names), lambda a, b, first: self.plan_switch(a, b, with_grads=not first).estimated_seconds, base=base
         )
 
-    def shard_inputs(self, *global_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """This rank's part of a global batch: batch dim 0 split over the data-parallel axis (torch.chunk)."""
+    def shard_inputs(self, *args, **kwargs):
+        """This rank's part of a global batch: every tensor input's dim 0 split over the data-parallel
+        axis (torch.tensor_split sizes). Mirrors the call: positional inputs give a tuple
+        (`cm.forward_backward(*cm.shard_inputs(*batch))`), keyword inputs a dict
+        (`cm.forward_backward(**cm.shard_inputs(**batch))`); non-tensor inputs pass through."""
+        if args and kwargs:
+            raise ValueError("shard_inputs takes the inputs either positionally or by keyword, not both, so that it "
+                             "can return them in the same form (a tuple or a dict)")
+        global_inputs = self.call.flatten(args, kwargs, what="shard_inputs")
         st = self._states[self._active]
-        if len(global_inputs) != self.logic.num_inputs:
-            raise ValueError(f"the model takes {self.logic.num_inputs} inputs, got {len(global_inputs)}")
         dp = st.config.dp
         index = self._coordinate(st, "dp")
         batch = global_inputs[0].shape[0]
@@ -263,15 +272,19 @@ class CompiledModel:
             raise ValueError(
                 f"a global batch of {batch} cannot be split over dp={dp} ranks: use a batch of at least {dp}"
             )
-        local = tuple(x.tensor_split(dp, dim=0)[index] if dp > 1 else x for x in global_inputs)
+        split = lambda x: x.tensor_split(dp, dim=0)[index] if dp > 1 and isinstance(x, torch.Tensor) else x  # noqa: E731
+        local = tuple(split(x) for x in global_inputs)
         self._global_shapes[(self._active, tuple(tuple(x.shape) for x in local))] = tuple(
             tuple(x.shape) for x in global_inputs
         )
-        return local
+        return self.call.map_tensors(split, args, kwargs)
 
-    def forward_backward(self, *local_inputs: torch.Tensor, grad_scale: float = 1.0, micro_batches: int = 1,
-                         schedule: str | None = None) -> torch.Tensor:
+    def forward_backward(self, *args, grad_scale: float = 1.0, micro_batches: int = 1, schedule: str | None = None,
+                         **kwargs) -> torch.Tensor:
         """Loss of the global batch; gradients (DP-reduced) accumulate on the local shards.
+
+        The inputs are this rank's part of the batch (`shard_inputs`), positional or by keyword as
+        the example inputs were (a missing or extra input is an error naming the expected ones).
 
         `grad_scale` multiplies this call's gradients before they are added, so that micro-batches
         of a larger batch can be weighted by their share of its loss denominator (token count).
@@ -285,6 +298,7 @@ class CompiledModel:
         data-parallel gradient reduction runs once, after the last micro-batch. With pp > 1 every
         rank returns the loss (one scalar all-reduce over the pipeline axis).
         """
+        local_inputs = self.call.flatten(args, kwargs, what="forward_backward")
         st = self._states[self._active]
         if micro_batches != 1 or st.config.pp > 1:
             return self._pipelined(st, local_inputs, micro_batches, schedule, grad_scale, train=True)
@@ -296,8 +310,9 @@ class CompiledModel:
         self._add_grads(dict(zip(self.logic.param_names, outs[1:])), grad_scale)
         return outs[0].detach()
 
-    def __call__(self, *local_inputs: torch.Tensor) -> torch.Tensor:
-        """Forward only: the loss of the global batch."""
+    def __call__(self, *args, **kwargs) -> torch.Tensor:
+        """Forward only: the loss of the global batch (inputs as for forward_backward)."""
+        local_inputs = self.call.flatten(args, kwargs, what="the compiled model's call")
         st = self._states[self._active]
         if st.config.pp > 1:
             with torch.no_grad():
@@ -533,15 +548,34 @@ class CompiledModel:
     def _global_input_shapes(self, st: ConfigState, local_inputs) -> tuple:
         key = (st.config.name, tuple(tuple(x.shape) for x in local_inputs))
         if key not in self._global_shapes:
-            # Inputs sharded by the caller: learn the global batch once per shape (a tiny all-gather).
-            sizes = comm_tensor([x.shape[0] for x in local_inputs[:1]], torch.int64)
-            gathered = [torch.zeros_like(sizes) for _ in range(self.world_size)]
-            dist.all_gather(gathered, sizes)
+            # Inputs sharded by the caller: learn the global batch once per shape (a tiny all-gather),
+            # and whether the data-parallel peers were all given the same rows.
+            mine = comm_tensor([float(local_inputs[0].shape[0]), _digest(local_inputs)], torch.float64)
+            gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
+            dist.all_gather(gathered, mine)
             ranks = st.mesh.mesh.flatten().tolist()
             dp_peers = [r for r in ranks if self._same_except(st, r, "dp")]
             batch = sum(int(gathered[r][0]) for r in dp_peers)
+            if len(dp_peers) > 1 and all(bool((gathered[r] == mine).all()) for r in dp_peers):
+                self._warn_unsharded(st, int(mine[0]))
             self._global_shapes[key] = tuple((batch, *x.shape[1:]) for x in local_inputs)
         return self._global_shapes[key]
+
+    def _warn_unsharded(self, st: ConfigState, rows: int) -> None:
+        """Every data-parallel peer got the same inputs: most likely the global batch, not this rank's
+        part. Still exact (the mean over dp copies of a batch is its mean), but each rank computes the
+        whole batch, and the graphs are lowered for a dp times larger one. Said once per model."""
+        if self._warned_unsharded:
+            return
+        self._warned_unsharded = True
+        call = "**cm.shard_inputs(**batch)" if self.call.names and not self.call.names[0].startswith("args[") \
+            else "*cm.shard_inputs(*batch)"
+        warnings.warn(
+            f"hotswitch: the {st.config.dp} data-parallel ranks of {st.config.name!r} were given the same inputs "
+            f"({rows} rows each): that looks like the global batch, not each rank's part of it. Pass "
+            f"cm.forward_backward({call}): shard_inputs splits the batch over the dp ranks. As given, every rank "
+            f"computes all {rows} rows (a global batch of {rows * st.config.dp}, lowered again for that shape)",
+            stacklevel=4)
 
     def _same_except(self, st: ConfigState, rank: int, axis_name: str) -> bool:
         coords = (st.mesh.mesh == rank).nonzero()[0].tolist()
@@ -642,8 +676,6 @@ class CompiledModel:
         schedule = schedule or self.pipeline_schedule
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
-        if len(local_inputs) != self.logic.num_inputs:
-            raise ValueError(f"the model takes {self.logic.num_inputs} inputs, got {len(local_inputs)}")
         batch = comm_tensor([local_inputs[0].shape[0]], torch.int64)
         if k > 1:  # ranks' batches differ (uneven data parallelism): all must refuse, or none
             dist.all_reduce(batch, op=dist.ReduceOp.MIN)
@@ -712,6 +744,15 @@ class CompiledModel:
                 self._grads[n].add_(g, alpha=grad_scale)
 
 
+def _digest(tensors) -> float:
+    """A cheap fingerprint of input values, to tell whether ranks were given the same rows."""
+    total = 0.0
+    for x in tensors:
+        flat = x.detach().reshape(-1).to(torch.float64)
+        total += float((flat * (torch.arange(flat.numel(), dtype=torch.float64, device=flat.device) % 31 + 1)).sum())
+    return total
+
+
 def _split_size(n: int, parts: int, index: int) -> int:
     """Rows of part `index` when n rows are split by torch.tensor_split into `parts`."""
     return n // parts + (1 if index < n % parts else 0)
@@ -720,10 +761,16 @@ def _split_size(n: int, parts: int, index: int) -> int:
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
             topology: Topology | None = None, lazy: bool = False, progress=None,
             logic: LogicGraph | None = None) -> CompiledModel:
-    """Trace `model` (forward returns a scalar mean loss) once and compile it for every config.
+    """Trace `model` once and compile it for every config.
+
+    `model`: forward returns a scalar mean loss, or an object or dict with a `loss` entry (Hugging
+    Face models given labels; `use_cache=False` is passed where forward takes it). `example_inputs`:
+    a *global* batch, as a tuple of positional inputs or a dict of keyword arguments
+    (`dict(input_ids=ids, labels=labels)`); later calls give the same names (see `shard_inputs`).
+    `configs`: DistConfigs or strings ("dp2tp2sp" or "dp=2,tp=2,sp"), each over all ranks.
 
     Call on every rank after `dist.init_process_group`, with identical weights on every rank. The
-    example inputs are a *global* batch; the first config is active afterwards. `lazy=True` lowers
+    first config is active afterwards. `lazy=True` lowers
     each config's ExecGraph on its first use instead of now (switching needs only the layouts);
     `progress(message)` is called as each phase starts ("tracing", "compiling dp4", ...).
     """
