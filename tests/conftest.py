@@ -1,7 +1,8 @@
 """Test-session setup: runs before any test module (and so before any Triton kernel) is imported.
 
-- ``TRITON_INTERPRET=1``: Triton kernels run on CPU through the interpreter. It must be set before a
-  kernel is defined. Export ``TRITON_INTERPRET=0`` to run the kernels on a GPU instead.
+- ``TRITON_INTERPRET``: without a CUDA GPU, 1: Triton kernels run on CPU through the interpreter;
+  with one, 0: they are compiled for the GPU and tests/test_kernels.py's GPU test runs natively. It
+  must be set before a kernel is defined; an exported value wins.
 - ``OMP_NUM_THREADS=1``: tests spawn several worker processes on small machines; one thread each.
 - ``HOTSWITCH_CACHE_DIR``: a fresh directory per test session, so the suite starts with a cold
   compile cache (never the user's) and later modules reuse what earlier ones decided.
@@ -13,7 +14,10 @@
 import os
 import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "HOTSWITCH_CACHE_DIR" not in os.environ:
     import tempfile

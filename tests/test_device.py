@@ -96,7 +96,7 @@ def test_profile_rank_with_a_fake_process_group():
 
 def _hotswitch(*args):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "hotswitch", *args], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, "-m", "hotswitch.cli", *args], capture_output=True, text=True, env=env,
                           timeout=600)
 
 

@@ -27,11 +27,13 @@ def run(opts: TrainOptions, budget_fraction: float, json_path: str) -> int:
     from hotswitch.distributed.launch import LaunchError, launch
 
     names = ", ".join(DistConfig.parse(c).name for c in opts.configs)
-    print(f"hotswitch bench train: {opts.model} on {opts.world_size} CPU processes, configs {names}, "
+    from hotswitch.cli.common import processes
+
+    print(f"hotswitch bench train: {opts.model} on {processes(opts.world_size, opts.backend)}, configs {names}, "
           f"{opts.steps} steps of {opts.batch_size} sequences (+1 warm-up) from {opts.dataset}", flush=True)
     t0 = time.perf_counter()
     try:
-        out = launch(_bench_worker, opts.world_size, opts, budget_fraction)
+        out = launch(_bench_worker, opts.world_size, opts, budget_fraction, backend=opts.backend)
     except LaunchError as e:
         print(f"hotswitch bench train: {e}", file=sys.stderr, flush=True)
         return 1

@@ -62,6 +62,19 @@ def add_parser(subparsers) -> None:
     q.add_argument("--repeats", type=int, default=3, help="timed runs per method; the median is reported")
     add_json_argument(q, "bench_elastic.json", "the results")
     q.set_defaults(run=run_bench_elastic)
+
+    q = sub.add_parser("gpu", help="one GPU: pack/unpack bandwidth vs copy, one rank's bf16 step of a ~1B Llama "
+                       "(fake process group) vs Hugging Face eager, peak memory vs the estimate",
+                       description=_docstring("hotswitch.bench.gpu"), formatter_class=HelpFormatter)
+    add_configs_argument(q, "dp8;tp8;dp2tp4")
+    q.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    q.add_argument("--micro-batch", type=int, default=1, help="sequences per data-parallel replica")
+    q.add_argument("--layers", type=int, default=16, help="Llama layers (16: ~1.1B parameters)")
+    q.add_argument("--repeats", type=int, default=10, help="timed runs per measurement; the median is reported")
+    q.add_argument("--no-inductor", action="store_true", help="skip the ExecGraphs compiled by Inductor")
+    q.add_argument("--dry-run", action="store_true", help="check the configuration and exit (no GPU needed)")
+    add_json_argument(q, "bench_gpu.json", "the results")
+    q.set_defaults(run=run_bench_gpu)
     p.set_defaults(run=lambda args: p.print_help() or 2)
 
 
@@ -86,6 +99,22 @@ def run_bench_elastic(args) -> int:
     from hotswitch.bench import elastic as bench_elastic
 
     return bench_elastic.run(args.model, args.repeats, args.json)
+
+
+def run_bench_gpu(args) -> int:
+    from hotswitch.bench import gpu
+
+    defaults = gpu.GpuBenchOptions()
+    configs = tuple(c.strip() for c in args.configs.replace(";", ",").split(",") if c.strip()) if args.configs \
+        else defaults.configs
+    options = gpu.GpuBenchOptions(configs=configs, seq_len=args.seq_len, micro_batch=args.micro_batch,
+                                  model=dict(defaults.model, num_hidden_layers=args.layers), repeats=args.repeats,
+                                  inductor=not args.no_inductor, json_path=args.json)
+    try:
+        return gpu.run(options, dry_run=args.dry_run)
+    except ValueError as e:
+        print(f"hotswitch bench gpu: {e}", file=sys.stderr)
+        return 2
 
 
 def run_bench_switch(args) -> int:

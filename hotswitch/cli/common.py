@@ -65,6 +65,20 @@ def parse_configs(text: str, world_size: int, command: str) -> list:
     return configs
 
 
+def add_backend_argument(p) -> None:
+    p.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="process group backend: nccl puts each process on GPU LOCAL_RANK, gloo on the CPU "
+                   "(default: nccl when every process gets a GPU, else gloo)")
+
+
+def processes(n: int, backend: str | None, what: str = "processes") -> str:
+    """'4 CPU processes (gloo)' or '4 GPU processes (nccl)': the backend a launch will use."""
+    from hotswitch.distributed.device import default_backend
+
+    backend = backend or default_backend(n)
+    return f"{n} {'GPU' if backend == 'nccl' else 'CPU'} {what} ({backend})"
+
+
 def add_json_argument(p, default: str | None, what: str) -> None:
     p.add_argument("--json", default=default, metavar="PATH", nargs="?", const="-",
                    help=f"write {what} as JSON to PATH (--json alone or '-': to standard output)")
@@ -111,6 +125,7 @@ def add_train_arguments(p) -> None:
     p.add_argument("--model", default="gpt-tiny", help="built-in model (hotswitch.models.MODEL_CONFIGS) or "
                    f"{', '.join(HF_MODELS)} (a Hugging Face model from a small config)")
     p.add_argument("--world-size", type=int, default=4, help="processes to spawn")
+    add_backend_argument(p)
     p.add_argument("--dataset", default="synthetic-skewed", help="'synthetic-skewed' (seeded long-tailed lengths) "
                    "or a JSONL file of token ids (one list, or {\"input_ids\": [...]}, per line)")
     p.add_argument("--steps", type=int, default=5, help="optimizer steps")

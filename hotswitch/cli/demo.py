@@ -9,11 +9,13 @@ from dataclasses import dataclass
 
 from hotswitch.cli.common import (
     HelpFormatter,
+    add_backend_argument,
     add_configs_argument,
     add_json_argument,
     format_counts,
     parse_configs,
     plural,
+    processes,
     progress,
     render_table,
     write_json,
@@ -35,6 +37,7 @@ class DemoOptions:
     seq_len: int
     lr: float
     seed: int
+    backend: str | None = None  # nccl | gloo; None: nccl when every process gets a GPU
 
 
 def add_parser(subparsers) -> None:
@@ -47,6 +50,7 @@ def add_parser(subparsers) -> None:
                    help="processes to spawn (default: 4; under torchrun: its WORLD_SIZE)")
     p.add_argument("--model", default="gpt-tiny", help="built-in model (hotswitch.models.MODEL_CONFIGS)")
     p.add_argument("--layers", type=int, default=None, help="override the model's number of layers")
+    add_backend_argument(p)
     add_configs_argument(p, "dp<W>, dp<W/2>tp2, tp<W>sp for W processes")
     p.add_argument("--steps", type=int, default=3, help="SGD steps per config")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per global batch")
@@ -79,17 +83,17 @@ def run_demo(args) -> int:
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2 or (args.layers is not None and args.layers < 1):
         raise SystemExit("hotswitch demo: need --steps >= 1, --batch-size >= 1, --seq-len >= 2 and --layers >= 1")
     opts = DemoOptions(args.model, args.layers, tuple(names), args.steps, args.batch_size, args.seq_len, args.lr,
-                       args.seed)
+                       args.seed, args.backend)
     model = args.model + (f" ({plural(args.layers, 'layer')})" if args.layers else "")
     rank0 = int(os.environ.get("RANK", "0")) == 0  # under torchrun every rank runs this
     say = progress if rank0 else (lambda message: None)
     shown = ", ".join(DistConfig.parse(n).name for n in names)
-    say(f"hotswitch demo: {model} on {world_size} CPU processes (gloo), configs {shown}; "
+    say(f"hotswitch demo: {model} on {processes(world_size, args.backend)}, configs {shown}; "
         f"{plural(args.steps, 'SGD step')} each, batch of {args.batch_size} sequences x {args.seq_len} tokens, "
         f"lr {args.lr}")
     t0 = time.perf_counter()
     try:
-        result = launch(_demo_worker, world_size, opts)
+        result = launch(_demo_worker, world_size, opts, backend=opts.backend)
     except LaunchError as e:  # the failing rank's traceback, without launch's own frames
         print(f"hotswitch demo: {e}", file=sys.stderr, flush=True)
         return 1

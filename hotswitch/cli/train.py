@@ -28,6 +28,7 @@ from hotswitch.cli.common import (
     add_train_arguments,
     parse_configs,
     plain,
+    processes,
     write_json,
 )
 
@@ -85,6 +86,7 @@ def options(args, **extra):
     max_length = args.seq_len or (MODEL_CONFIGS[args.model].max_seq_len if args.model in MODEL_CONFIGS else 256)
     budget = args.memory_budget_mib * 2**20 if args.memory_budget_mib else None
     extra.update(_elastic_options(args))
+    extra.setdefault("backend", getattr(args, "backend", None))
     return TrainOptions(args.model, args.world_size, args.dataset, args.steps, args.batch_size, max_length,
                         tuple(c.spec() for c in configs), static, budget, args.micro_batch_tokens, buckets, args.lr,
                         args.seed, args.zero1, getattr(args, "save_final", None), **extra)
@@ -136,11 +138,11 @@ def run_train(args) -> int:
     what = f"static {_name(opts.static)}" if opts.static else "configs " + ", ".join(_name(c) for c in opts.configs)
     if opts.memory_budget:
         what += f", memory budget {opts.memory_budget / 2**20:g} MiB per rank"
-    print(f"hotswitch train: {opts.model} on {opts.world_size} CPU processes (gloo), {what}; {opts.steps} steps of "
+    print(f"hotswitch train: {opts.model} on {processes(opts.world_size, opts.backend)}, {what}; {opts.steps} steps of "
           f"{opts.batch_size} sequences from {opts.dataset}", flush=True)
     t0 = time.perf_counter()
     try:
-        result = launch(_train_worker, opts.world_size, opts)
+        result = launch(_train_worker, opts.world_size, opts, backend=opts.backend)
     except LaunchError as e:
         print(f"hotswitch train: {e}", file=sys.stderr, flush=True)
         return 1
@@ -159,11 +161,13 @@ def _name(spec: str) -> str:
 
 
 def _run_elastic_train(opts, json_path: str | None = None) -> int:
+    from hotswitch.distributed.launch import patched_environ
     from hotswitch.elastic.membership import ElasticError, run_elastic
 
     low, high = opts.elastic
     configs = [opts.static] if opts.static else list(opts.configs)
-    print(f"hotswitch train --elastic {low}:{high}: {opts.model} on {opts.world_size} CPU worker processes (gloo), "
+    print(f"hotswitch train --elastic {low}:{high}: {opts.model} on "
+          f"{processes(opts.world_size, opts.backend, 'worker processes')}, "
           f"candidate configs {', '.join(_name(c) for c in configs)}; {opts.steps} steps of {opts.batch_size} "
           f"sequences from {opts.dataset}; checkpoints every {opts.checkpoint_every} steps in {opts.checkpoint_dir}",
           flush=True)
@@ -171,8 +175,9 @@ def _run_elastic_train(opts, json_path: str | None = None) -> int:
         print(f"  planned: {kind}{'' if n is None else ' to ' + str(n) + ' workers'} before step {step}", flush=True)
     t0 = time.perf_counter()
     try:
-        result = run_elastic(_elastic_worker, opts.world_size, opts, min_size=low, max_size=high,
-                             log=lambda m: print(m, flush=True))
+        with patched_environ({"HOTSWITCH_BACKEND": opts.backend} if opts.backend else {}):
+            result = run_elastic(_elastic_worker, opts.world_size, opts, min_size=low, max_size=high,
+                                 log=lambda m: print(m, flush=True))
     except ElasticError as e:
         print(f"hotswitch train: {e}", file=sys.stderr, flush=True)
         return 1

@@ -298,7 +298,7 @@ class CompiledModel:
         data-parallel gradient reduction runs once, after the last micro-batch. With pp > 1 every
         rank returns the loss (one scalar all-reduce over the pipeline axis).
         """
-        local_inputs = self.call.flatten(args, kwargs, what="forward_backward")
+        local_inputs = self._on_device(self.call.flatten(args, kwargs, what="forward_backward"))
         st = self._states[self._active]
         if micro_batches != 1 or st.config.pp > 1:
             return self._pipelined(st, local_inputs, micro_batches, schedule, grad_scale, train=True)
@@ -312,7 +312,7 @@ class CompiledModel:
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
         """Forward only: the loss of the global batch (inputs as for forward_backward)."""
-        local_inputs = self.call.flatten(args, kwargs, what="the compiled model's call")
+        local_inputs = self._on_device(self.call.flatten(args, kwargs, what="the compiled model's call"))
         st = self._states[self._active]
         if st.config.pp > 1:
             with torch.no_grad():
@@ -321,6 +321,10 @@ class CompiledModel:
         gm = self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=False, reduce=True).joint
         with torch.no_grad():
             return gm(*self._local_params(), *self._buffers, *local_inputs)[0]
+
+    def _on_device(self, local_inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Inputs moved to the device this rank computes on (a CPU batch on an NCCL job, say)."""
+        return tuple(x if x.device == self.device else x.to(self.device, non_blocking=True) for x in local_inputs)
 
     def graph_inputs(self, *local_inputs: torch.Tensor) -> list[torch.Tensor]:
         """What `exec_graph(active)` takes, in order: this rank's parameter shards, the buffers, then

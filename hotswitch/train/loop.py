@@ -36,6 +36,7 @@ class TrainOptions:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 2
     step_timeout: float = 30.0
+    backend: str | None = None  # nccl | gloo; None: nccl when every process gets a GPU
 
 
 def build_model(opts: TrainOptions):
