@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hotswitch.kernels import HAS_TRITON, INTERPRET, pack, packed_numel, unpack
+from hotswitch.kernels import HAS_TRITON, INTERPRET, cast, pack, packed_numel, unpack
 
 needs_interpreter = pytest.mark.skipif(
     not (HAS_TRITON and INTERPRET), reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (tests/conftest.py sets it)"
@@ -178,3 +178,17 @@ def test_gpu_kernels_native_bit_exact():
     for _, s in many:
         want[s] = big[s]
     assert torch.equal(back, want)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_cast_is_to_dtype_as_views_of_one_buffer(backend):
+    """The Trainer's compute weights from fp32 masters: one fused cast, bit-identical to `.to()`."""
+    g = torch.Generator().manual_seed(1)
+    masters = {"w": torch.randn(6, 5, generator=g), "b": torch.randn(5, generator=g),
+               "t": torch.randn(5, 6, generator=g).t()}  # a non-contiguous one too
+    out = cast(masters, torch.float16, backend=backend)
+    assert list(out) == list(masters)
+    for n, t in masters.items():
+        assert out[n].shape == t.shape and out[n].dtype == torch.float16
+        assert torch.equal(out[n].view(torch.int16), t.to(torch.float16).view(torch.int16))
+    assert len({o.untyped_storage().data_ptr() for o in out.values()}) == 1  # one buffer

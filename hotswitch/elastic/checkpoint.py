@@ -206,6 +206,18 @@ class AsyncCheckpointer:
         os.makedirs(self.root, exist_ok=True)
         self._executor: ThreadPoolExecutor | None = ThreadPoolExecutor(1, thread_name_prefix="hotswitch-checkpoint")
         self._job: Future | None = None
+        self._stager = None  # pinned host buffers for GPU states, reused by every save
+
+    def _pinned_stager(self, state: dict):
+        """GPU states are staged into pinned host memory (fast device-to-host copies), kept across saves
+        so that each save reuses the buffers; CPU states need no staging buffers of their own (None:
+        DCP's default copy)."""
+        if self._stager is None and any(t.device.type == "cuda" for t in state.values()):
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=False))
+        return self._stager
 
     def save(self, step: int, state: dict, meta: dict | None = None) -> None:
         """Stage (copy) ``state`` and write it to ``root/step-{step:08d}/`` in the background; call on every rank.
@@ -234,7 +246,7 @@ class AsyncCheckpointer:
                 if os.path.exists(os.path.join(path, name)):
                     os.remove(os.path.join(path, name))
         response = dcp.async_save(state, checkpoint_id=path, process_group=self._group,
-                                  no_dist=not dist.is_initialized())
+                                  no_dist=not dist.is_initialized(), async_stager=self._pinned_stager(state))
         if isinstance(response, Future):  # torch 2.13 with the default stager: staged synchronously already
             upload = response
         else:  # AsyncSaveResponse, when the stager stages in the background
@@ -307,6 +319,9 @@ class AsyncCheckpointer:
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
                 self._executor = None
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
             if self._owns_group and dist.is_initialized():
                 dist.destroy_process_group(self._group)
                 self._owns_group = False

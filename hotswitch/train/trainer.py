@@ -29,6 +29,7 @@ from torch import nn
 from hotswitch.compiler.memory import estimate_peak_bytes
 from hotswitch.distconfig import DistConfig, Topology
 from hotswitch.distributed.device import comm_tensor, runtime_device
+from hotswitch.kernels import cast
 from hotswitch.models import PackedCausalLMLoss
 from hotswitch.runtime.compiled_model import CompiledModel
 from hotswitch.runtime.compiled_model import compile as hs_compile
@@ -372,8 +373,7 @@ class Trainer:
                                            **{k.value: state[state_key(k, n)].clone()
                                               for k in (StateKind.EXP_AVG, StateKind.EXP_AVG_SQ)}}
         self.cm.zero_grad()
-        self.cm.set_local_params({n: t if t.dtype == self.compute_dtype else t.to(self.compute_dtype)
-                                  for n, t in self._master_shards().items()})
+        self.cm.set_local_params(self._compute_weights(self._master_shards()))
         self.step_count = step
 
     def full_job_state(self) -> dict[str, torch.Tensor]:
@@ -542,9 +542,13 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.cm.zero_grad()
-        masters = self._master_shards()
-        self.cm.set_local_params({n: t if t.dtype == self.compute_dtype else t.to(self.compute_dtype)
-                                  for n, t in masters.items()})
+        self.cm.set_local_params(self._compute_weights(self._master_shards()))
+
+    def _compute_weights(self, masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The compute weights from the fp32 masters: one fused cast (`kernels.cast`) where dtypes differ."""
+        if all(t.dtype == self.compute_dtype for t in masters.values()):
+            return dict(masters)
+        return cast(masters, self.compute_dtype)
 
     def _master_shards(self) -> dict[str, torch.Tensor]:
         """fp32 masters as this rank's shards in the base layout (ZeRO-1: all-gathered over dp)."""
