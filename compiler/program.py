@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 
 from . import _dtensor as dt
-from ._torch import FakeTensorMode, pytree
+from ._torch import pytree
 from .cache import DecisionCache
 from .lower import OutputPlan, ShardingDecisions, StageOutputPlan, lower, propagate_graph
 from .stages import Stage, split_forward_backward, stage_joint
@@ -162,9 +162,9 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     propagate_seconds = time.perf_counter() - t_propagate
     if key is not None and decided is None:
         cache.put(key, sharding.placements())
-    local_shapes_dtypes = [(dt.local_shape(s), s.tensor_meta.dtype) for s in specs]
-    with FakeTensorMode(allow_non_fake_inputs=True):  # this rank's inputs, on its device (no memory, no GPU needed)
-        local = [torch.empty(shape, dtype=dtype, device=where.device) for shape, dtype in local_shapes_dtypes]
+    # this rank's example inputs, on its device (real tensors: make_fx fakes them itself, and DTensor's
+    # uneven _StridedShard gather reads index tensors that inputs faked here would make data-dependent)
+    local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype, device=where.device) for s in specs]
     n_losses = 2 if is_last else 1
     if reduce:
         plan = OutputPlan(split_loss=logic.split_loss, num_losses=2 if logic.split_loss else 1,

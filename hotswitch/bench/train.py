@@ -27,9 +27,10 @@ def run(opts: TrainOptions, budget_fraction: float, json_path: str) -> int:
     from hotswitch.distributed.launch import LaunchError, launch
 
     names = ", ".join(DistConfig.parse(c).name for c in opts.configs)
-    from hotswitch.cli.common import processes
+    from hotswitch.distributed.device import describe_processes
 
-    print(f"hotswitch bench train: {opts.model} on {processes(opts.world_size, opts.backend)}, configs {names}, "
+    where = describe_processes(opts.world_size, opts.backend)
+    print(f"hotswitch bench train: {opts.model} on {where}, configs {names}, "
           f"{opts.steps} steps of {opts.batch_size} sequences (+1 warm-up) from {opts.dataset}", flush=True)
     t0 = time.perf_counter()
     try:

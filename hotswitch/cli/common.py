@@ -72,11 +72,9 @@ def add_backend_argument(p) -> None:
 
 
 def processes(n: int, backend: str | None, what: str = "processes") -> str:
-    """'4 CPU processes (gloo)' or '4 GPU processes (nccl)': the backend a launch will use."""
-    from hotswitch.distributed.device import default_backend
+    from hotswitch.distributed.device import describe_processes  # imports torch: only when a command runs
 
-    backend = backend or default_backend(n)
-    return f"{n} {'GPU' if backend == 'nccl' else 'CPU'} {what} ({backend})"
+    return describe_processes(n, backend, what)
 
 
 def add_json_argument(p, default: str | None, what: str) -> None:

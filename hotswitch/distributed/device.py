@@ -13,7 +13,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["comm_tensor", "default_backend", "device_for_backend", "runtime_device"]
+__all__ = ["comm_tensor", "default_backend", "describe_processes", "device_for_backend", "runtime_device"]
 
 _GPU_BACKENDS = ("nccl", "cuda", "xccl")
 
@@ -22,6 +22,12 @@ def default_backend(processes_per_node: int = 1) -> str:
     """`nccl` where there is a GPU for each of this node's processes, else `gloo` (CPU): what
     `hs.launch` and the CLI use unless told."""
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= processes_per_node else "gloo"
+
+
+def describe_processes(n: int, backend: str | None, what: str = "processes") -> str:
+    """'4 CPU processes (gloo)' or '4 GPU processes (nccl)': what a launch of n processes will use."""
+    backend = backend or default_backend(n)
+    return f"{n} {'GPU' if backend == 'nccl' else 'CPU'} {what} ({backend})"
 
 
 def device_for_backend(backend: str, local_rank: int | None = None) -> torch.device:
