@@ -4,6 +4,6 @@
 received buffer into place (fused cast or fused accumulate). See `kernels.pack` for the design.
 """
 
-from .pack import BACKENDS, HAS_TRITON, INTERPRET, cast, pack, packed_numel, unpack
+from .pack import BACKENDS, HAS_TRITON, INTERPRET, cast, pack, pack_kernels, packed_numel, unpack
 
-__all__ = ["BACKENDS", "HAS_TRITON", "INTERPRET", "cast", "pack", "packed_numel", "unpack"]
+__all__ = ["BACKENDS", "HAS_TRITON", "INTERPRET", "cast", "pack", "pack_kernels", "packed_numel", "unpack"]

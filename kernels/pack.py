@@ -28,7 +28,7 @@ overrides what "auto" picks; `backend="triton"|"torch"` forces one per call.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -40,7 +40,7 @@ try:
 except ImportError:  # triton ships for Linux only
     HAS_TRITON = False
 
-__all__ = ["BACKENDS", "HAS_TRITON", "INTERPRET", "cast", "pack", "packed_numel", "unpack"]
+__all__ = ["BACKENDS", "HAS_TRITON", "INTERPRET", "cast", "pack", "pack_kernels", "packed_numel", "unpack"]
 
 BACKENDS = ("auto", "triton", "torch")
 # Read once: the interpreter has to be chosen before the kernels below are defined.
@@ -170,6 +170,15 @@ def _same_device(views: list[torch.Tensor], device: torch.device, what: str) -> 
 
 def _launch(kernel, views: list[torch.Tensor], offsets: list[int], what: str, buffer: torch.Tensor, **meta) -> None:
     """One launch over `views` (all of one dtype); view i sits at `offsets[i]` in `buffer`."""
+    tables = _tables(views, offsets, what, buffer.device)
+    if tables is not None:
+        desc, block_slice, blocks = tables
+        kernel[(blocks,)](desc, block_slice, buffer, BLOCK=BLOCK, NCOL=_NCOL, **meta)
+
+
+def _tables(views: list[torch.Tensor], offsets: list[int], what: str, device: torch.device):
+    """The descriptor table (one row per non-empty view) and the block -> slice table, on `device`,
+    with the number of blocks; None when every view is empty."""
     rows, blocks = [], []
     first = 0
     for i, (v, offset) in enumerate(zip(views, offsets)):
@@ -181,13 +190,13 @@ def _launch(kernel, views: list[torch.Tensor], offsets: list[int], what: str, bu
             blocks.append(count)
             first += count
     if not rows:
-        return
+        return None
     desc = torch.tensor(rows, dtype=torch.int64)
     block_slice = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(blocks))
-    if buffer.device.type != "cpu":
-        desc = desc.to(buffer.device, non_blocking=True)
-        block_slice = block_slice.to(buffer.device, non_blocking=True)
-    kernel[(first,)](desc, block_slice, buffer, BLOCK=BLOCK, NCOL=_NCOL, **meta)
+    if device.type != "cpu":  # from pageable memory: staged before the call returns, so the temporaries may go
+        desc = desc.to(device, non_blocking=True)
+        block_slice = block_slice.to(device, non_blocking=True)
+    return desc, block_slice, first
 
 
 def _by_dtype(views: list[torch.Tensor]) -> dict[torch.dtype, tuple[list[torch.Tensor], list[int]]]:
@@ -270,6 +279,28 @@ def cast(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype, backend: str =
         out[n] = buffer[offset:offset + t.numel()].view(tensors[n].shape)
         offset += t.numel()
     return out
+
+
+def pack_kernels(slices: Sequence[SliceSpec], out: torch.Tensor) -> Callable[[], None]:
+    """`pack(slices, out=out, backend="triton")` with its descriptor tables built once: a call runs the
+    kernels alone (what a switch whose tables were cached would launch). For measuring the kernels
+    apart from the Python that describes the slices (`hotswitch bench gpu`)."""
+    views = [_view(s, "slices", i) for i, s in enumerate(slices)]
+    if sum(v.numel() for v in views) != out.numel():
+        raise ValueError(f"pack_kernels: the slices hold {sum(v.numel() for v in views)} elements, out {out.numel()}")
+    _choose("triton", out.device)
+    _same_device(views, out.device, "slices")
+    launches = []
+    for src_dtype, (group, offsets) in _by_dtype(views).items():
+        tables = _tables(group, offsets, "slices", out.device)
+        if tables is not None:
+            launches.append((tables, _tl(src_dtype)))
+
+    def run() -> None:
+        for (desc, block_slice, blocks), src in launches:
+            _pack_kernel[(blocks,)](desc, block_slice, out, SRC=src, BLOCK=BLOCK, NCOL=_NCOL)
+
+    return run
 
 
 def _compute_dtype(target: torch.dtype, buf: torch.dtype) -> torch.dtype:

@@ -42,7 +42,7 @@ def test_runtime_device_and_override(monkeypatch):
 def test_launch_refuses_nccl_without_enough_gpus():
     from hotswitch.distributed.launch import launch
 
-    with pytest.raises(ValueError, match="GPUs and this machine has .*backend='gloo'"):
+    with pytest.raises(ValueError, match="need 64 GPUs and it has .*backend='gloo'"):
         launch(print, 64, backend="nccl")
 
 

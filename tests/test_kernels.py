@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hotswitch.kernels import HAS_TRITON, INTERPRET, cast, pack, packed_numel, unpack
+from hotswitch.kernels import HAS_TRITON, INTERPRET, cast, pack, pack_kernels, packed_numel, unpack
 
 needs_interpreter = pytest.mark.skipif(
     not (HAS_TRITON and INTERPRET), reason="Triton on CPU tensors needs TRITON_INTERPRET=1 (tests/conftest.py sets it)"
@@ -155,7 +155,8 @@ def test_gpu_kernels_native_bit_exact():
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     w = torch.randn(512, 384, device=dev, generator=g)
-    slices = [(w, (slice(0, 256), slice(0, 384, 3))), (w.t(), (slice(10, 200), slice(None)))]
+    # disjoint regions of one tensor (unpack's targets must not overlap: programs run concurrently on a GPU)
+    slices = [(w, (slice(0, 256), slice(0, 384, 3))), (w.t(), (slice(10, 200), slice(256, 512)))]
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         assert torch.equal(pack(slices, dtype=dtype, backend="triton"), pack(slices, dtype=dtype, backend="torch"))
         assert torch.equal(pack(slices, dtype=dtype, backend="triton"), reference_pack(slices, dtype))
@@ -192,3 +193,14 @@ def test_cast_is_to_dtype_as_views_of_one_buffer(backend):
         assert out[n].shape == t.shape and out[n].dtype == torch.float16
         assert torch.equal(out[n].view(torch.int16), t.to(torch.float16).view(torch.int16))
     assert len({o.untyped_storage().data_ptr() for o in out.values()}) == 1  # one buffer
+
+
+@needs_interpreter
+def test_pack_kernels_with_tables_built_once_equal_pack():
+    a = torch.randn(6, 8)
+    slices = [(a, (slice(0, 6, 2), slice(1, 7))), (a.t(), (slice(2, 5), slice(None)))]
+    out = torch.zeros(packed_numel(slices))
+    run = pack_kernels(slices, out)
+    a.mul_(2)  # the tables hold addresses, not values: a later call packs what the tensors hold then
+    run()
+    assert torch.equal(out, reference_pack(slices, torch.float32))

@@ -50,9 +50,9 @@ def run(model: str, repeats: int, json_path: str) -> int:
     directory = tempfile.mkdtemp(prefix="hotswitch-bench-elastic-")
     try:
         t0 = time.perf_counter()
-        launch(_restart_probe, 4, model)
+        launch(_restart_probe, 4, model, backend="gloo")  # a CPU benchmark (CPU shards, a CPU mesh)
         restart = time.perf_counter() - t0
-        result = launch(_bench_worker, 4, model, repeats, directory)
+        result = launch(_bench_worker, 4, model, repeats, directory, backend="gloo")
     except LaunchError as e:
         print(f"hotswitch bench elastic: {e}", file=sys.stderr, flush=True)
         return 1

@@ -227,12 +227,12 @@ def run(world_size=4, devices_per_node=2, model="gpt2-23m", configs=None, repeat
         # what the planner's estimates assume: the shaped link shared by a node's devices
         os.environ["HOTSWITCH_INTER_NODE_BW"] = str(inter_node_gbit * 1.25e8 / devices_per_node)
         with EmulatedNodes(world_size // devices_per_node, inter_node_gbit) as nodes:
-            result = launch(*args, devices_per_node=devices_per_node, nodes=nodes)
+            result = launch(*args, devices_per_node=devices_per_node, nodes=nodes, backend="gloo")
         result["network"] = (
             f"emulated: {world_size // devices_per_node} nodes, {inter_node_gbit:g} Gbit/s links between nodes"
         )
     else:
-        result = launch(*args, devices_per_node=devices_per_node)
+        result = launch(*args, devices_per_node=devices_per_node, backend="gloo")
         result["network"] = "loopback: every byte costs the same, inter-node or not"
     write_json(json_path, result)
     if png_path:

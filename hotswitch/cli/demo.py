@@ -181,8 +181,9 @@ def _demo_worker(rank: int, opts: DemoOptions) -> dict | None:
                 for name, p in cm.local_params.items():  # live shards of the active config
                     p -= opts.lr * grads[name]
             cm.zero_grad()
+            loss = loss.item()  # waits for the device's queued work, before the clock is read
             seconds = time.perf_counter() - t
-            rows[config.name].append({"step": step, "loss": loss.item(), "seconds": seconds,
+            rows[config.name].append({"step": step, "loss": loss, "seconds": seconds,
                                       "ref": ref_losses[step] if ref_losses else None})
             step += 1
     if len(configs) > 1:  # close the cycle: back to the first config

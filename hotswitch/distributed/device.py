@@ -13,7 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["comm_tensor", "default_backend", "describe_processes", "device_for_backend", "runtime_device"]
+__all__ = ["comm_tensor", "default_backend", "describe_processes", "device_for_backend", "runtime_device",
+           "synchronize"]
 
 _GPU_BACKENDS = ("nccl", "cuda", "xccl")
 
@@ -51,6 +52,12 @@ def runtime_device(group=None) -> torch.device:
     if not dist.is_initialized():
         return torch.device("cpu")
     return device_for_backend(dist.get_backend(group))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on `device` (CUDA runs asynchronously): before reading a clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def comm_tensor(values, dtype: torch.dtype, group=None) -> torch.Tensor:

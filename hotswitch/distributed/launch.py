@@ -53,12 +53,6 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node
     `nodes`, an entered `hotswitch.netns.EmulatedNodes`, puts each node's ranks in that node's
     network namespace.
     """
-    backend = backend or default_backend(devices_per_node or world_size)
-    if "nccl" in backend and torch.cuda.device_count() < (devices_per_node or world_size):
-        raise ValueError(f"backend={backend!r} puts one process on each GPU, but {world_size} processes"
-                         f"{f' ({devices_per_node} per node)' if devices_per_node else ''} need "
-                         f"{devices_per_node or world_size} GPUs and this machine has {torch.cuda.device_count()}; "
-                         "use fewer processes or backend='gloo'")
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if devices_per_node is not None and (devices_per_node < 1 or world_size % devices_per_node):
@@ -68,7 +62,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node
         if running != world_size:
             raise ValueError(f"launch(world_size={world_size}) inside a job of {running} processes "
                              f"(torchrun or an initialized process group): pass world_size={running}")
-        return _run_in_process(fn, args, backend, timeout)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", running))  # this node's processes (torchrun says)
+        return _run_in_process(fn, args, _checked_backend(backend, local, local), timeout)
+
+    # spawned here: every rank runs on this machine (emulated nodes too), each on a GPU of its own
+    backend = _checked_backend(backend, world_size, world_size)
 
     per_node = devices_per_node or world_size
     master = nodes.address(0) if nodes is not None else "127.0.0.1"
@@ -83,6 +81,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node
                    "OMP_NUM_THREADS": "1"}
             if devices_per_node is not None:
                 env["HOTSWITCH_DEVICES_PER_NODE"] = str(devices_per_node)
+            if "nccl" in backend:
+                env["HOTSWITCH_GPU"] = str(rank)  # LOCAL_RANK repeats across emulated nodes; GPUs must not
             if nodes is not None:
                 env.update(nodes.rank_env(rank, per_node))
             reader, writer = ctx.Pipe(duplex=False)
@@ -103,6 +103,17 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node
         for r in readers:
             r.close()
         del store
+
+
+def _checked_backend(backend: str | None, processes: int, gpus_needed: int) -> str:
+    """`backend`, or nccl when this machine has a GPU for each of its `processes`; an NCCL launch
+    without a GPU per process is refused with the fix."""
+    backend = backend or default_backend(processes)
+    if "nccl" in backend and torch.cuda.device_count() < gpus_needed:
+        raise ValueError(f"backend={backend!r} puts one process on each GPU, but {gpus_needed} processes on this "
+                         f"machine need {gpus_needed} GPUs and it has {torch.cuda.device_count()}; "
+                         "use fewer processes or backend='gloo'")
+    return backend
 
 
 def _collect(procs, readers, timeout):
@@ -173,8 +184,8 @@ def _worker(fn, args, rank, world_size, port, backend, timeout, results) -> None
             enter_namespace(os.environ["HOTSWITCH_NETNS"])  # before any socket of this process
         store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, is_master=False,
                               timeout=pg_timeout or datetime.timedelta(minutes=30))
-        if "nccl" in backend:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # before the group: NCCL binds to it
+        if "nccl" in backend:  # before the group: NCCL binds to it
+            torch.cuda.set_device(int(os.environ.get("HOTSWITCH_GPU", os.environ.get("LOCAL_RANK", "0"))))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
         value = fn(rank, *args)
         payload = pickle.dumps(value) if rank == 0 else None

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hotswitch.distconfig import DistConfig, Topology
+from hotswitch.distributed.device import comm_tensor
 from hotswitch.elastic import checkpoint as ckpt
 from hotswitch.elastic.membership import LONG_TIMEOUT, ElasticError, GenerationRecord, Membership
 from hotswitch.switch.executor import execute_plan
@@ -328,7 +329,7 @@ class ElasticJob:
             old = held.tensors if held is not None else {}
             moved, sent, _ = execute_plan(plan, old, src, dst, dist.get_rank(),
                                           dtypes={mv.name: torch.float32 for mv in moves})
-            total = torch.tensor([sent], dtype=torch.float64)
+            total = comm_tensor([sent], torch.float64)
             dist.all_reduce(total)
             sent = int(total.item())
         move_seconds = time.perf_counter() - t_move

@@ -78,6 +78,7 @@ class _Worker:
     wid: str
     process: Any
     reader: Any
+    slot: int = 0  # its GPU on this host (NCCL): the lowest one no live worker holds
     done: bool = False  # sent its result (finished, left, or raised)
     silent: bool = False  # its pipe closed without a result (it died)
 
@@ -102,14 +103,19 @@ class _Agent:
         self.next_id += 1
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
-        env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world), "HOTSWITCH_WORKER": wid, "OMP_NUM_THREADS": "1"}
+        held = {w.slot for w in self.workers.values() if w.process.exitcode is None}
+        slot = min(set(range(len(held) + 1)) - held)
+        env = {**self.env, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(slot),
+               "LOCAL_WORLD_SIZE": str(world), "HOTSWITCH_WORKER": wid, "OMP_NUM_THREADS": "1",
+               # NCCL: a timed-out or aborted collective raises in the worker (which then recovers)
+               # instead of the watchdog tearing the process down (torch's default)
+               "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")}
         p = ctx.Process(target=_worker_main, args=(self.fn, self.args, wid, self.store.port, writer,
                                                    self.min_size, self.max_size), name=f"hotswitch-{wid}")
         with patched_environ(env):  # a spawned child copies os.environ at start: RANK as under torchrun
             p.start()
         writer.close()
-        self.workers[wid] = _Worker(wid, p, reader)
+        self.workers[wid] = _Worker(wid, p, reader, slot)
         return wid
 
     def publish(self, record: GenerationRecord) -> None:
@@ -243,8 +249,8 @@ def _worker_main(fn, args, wid: str, port: int, results, min_size: int, max_size
         store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, is_master=False,
                               timeout=datetime.timedelta(minutes=30))
         membership = Membership(wid, store, min_size, max_size)
-        if membership.backend == "nccl":  # one GPU per worker slot (workers share one host)
-            torch.cuda.set_device(int("".join(filter(str.isdigit, wid)) or 0) % torch.cuda.device_count())
+        if membership.backend == "nccl":  # the GPU the agent gave this worker (no live worker shares it)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         value = fn(membership, *args)
         status = "result" if membership.finished else "left"
         payload = pickle.dumps(value) if membership.finished else None

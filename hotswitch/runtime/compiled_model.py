@@ -25,7 +25,7 @@ from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
 from hotswitch.compiler.trace import LogicGraph, trace
 from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch
-from hotswitch.distributed.device import comm_tensor, runtime_device
+from hotswitch.distributed.device import comm_tensor, runtime_device, synchronize
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
 from hotswitch.switch.executor import SwitchStats, execute_plan
 from hotswitch.switch.order import OrderPlan, plan_order
@@ -181,6 +181,7 @@ class CompiledModel:
         for kind in self._param_states:
             self._param_states[kind] = {n: new[state_key(kind, n)] for n in self.logic.param_names
                                         if state_key(kind, n) in new}
+        synchronize(self.device)  # the received buffers are unpacked (CUDA queues the work) before the clock
         self.last_switch = SwitchStats(
             self._active, st.config.name, algorithm, time.perf_counter() - t0, sent, received
         )

@@ -93,9 +93,11 @@ def _worker(build_model, example_inputs, config, rank, repeats, device, dtype, b
 
     try:
         warnings.filterwarnings("ignore")
-        os.environ["HOTSWITCH_DEVICE"] = device  # compute here; the fake group communicates nowhere
         if device.startswith("cuda"):
-            torch.cuda.set_device(torch.device(device))
+            where = torch.device(device)
+            device = f"cuda:{where.index or 0}"  # set_device needs an index; "cuda" means the first GPU
+            torch.cuda.set_device(where.index or 0)
+        os.environ["HOTSWITCH_DEVICE"] = device  # compute here; the fake group communicates nowhere
         from hotswitch.distributed import _c10d
 
         _c10d.init_fake_process_group(rank, config.world_size)

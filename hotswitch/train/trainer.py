@@ -28,7 +28,7 @@ from torch import nn
 
 from hotswitch.compiler.memory import estimate_peak_bytes
 from hotswitch.distconfig import DistConfig, Topology
-from hotswitch.distributed.device import comm_tensor, runtime_device
+from hotswitch.distributed.device import comm_tensor, runtime_device, synchronize
 from hotswitch.kernels import cast
 from hotswitch.models import PackedCausalLMLoss
 from hotswitch.runtime.compiled_model import CompiledModel
@@ -257,11 +257,13 @@ class Trainer:
                 for mb, weight in D.weighted_micro_batches(sequences, bucket, rows, total_targets):
                     local = self.cm.shard_inputs(*(x.to(self.cm.device) for x in mb.inputs))
                     loss += float(self.cm.forward_backward(*local, grad_scale=weight)) * weight
+                synchronize(self.cm.device)
                 bucket_seconds[k] += time.perf_counter() - t0
         assert self.cm.active == self.base
         self._phase("update")
         t0 = time.perf_counter()
         self._optimizer_step()
+        synchronize(self.cm.device)
         optimizer_seconds = time.perf_counter() - t0
         seconds = time.perf_counter() - t_step
         self.step_count += 1
@@ -435,6 +437,7 @@ class Trainer:
             dist.barrier()
             t0 = time.perf_counter()
             self.cm.forward_backward(*local)
+            synchronize(self.cm.device)
             if i:
                 times.append(time.perf_counter() - t0)
         self.cm.zero_grad()
