@@ -44,6 +44,12 @@ from hotswitch.compiler.lower import OutputPlan, lower_reduction
 from hotswitch.compiler.program import StageProgram
 
 SCHEDULES = ("1f1b", "gpipe")
+# Point-to-point in batches: a stage's sends wait to go out with its next receive, in one
+# batch_isend_irecv. NCCL needs it: a send and a later receive with the same neighbour share one
+# stream, and once messages outgrow NCCL's buffers two neighbours that each send before they receive
+# (1F1B) wait on each other forever. gloo buffers sends, so there they go out at once (None: batch on
+# every backend but gloo; tests set True to run the batched path on gloo).
+BATCH_P2P: bool | None = None
 
 
 @dataclass
@@ -94,21 +100,35 @@ def run_step(programs: list[StageProgram], params: list[torch.Tensor], buffers: 
     works: list = []
     sums: list[torch.Tensor] | None = None
     pending: dict[int, tuple] = {}
+    batched = BATCH_P2P if BATCH_P2P is not None else dist.get_backend() != "gloo"
+    outbox: list[dist.P2POp] = []
 
     def send(tensors, peer):
         for t in tensors:
             t = t.contiguous()
-            works.append((dist.isend(t, dst=peer), t))
+            if batched:
+                outbox.append(dist.P2POp(dist.isend, t, peer))
+            else:
+                works.append((dist.isend(t, dst=peer), t))
             stats.sends += 1
             stats.bytes_sent += t.numel() * t.element_size()
 
+    def flush(receives=()) -> None:
+        """The sends held back, with `receives`, in one batch; waits for all of them (on CUDA the
+        current stream waits, not the host)."""
+        ops = [*outbox, *receives]
+        outbox.clear()
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+
     def recv(metas, peer):
-        out = []
-        for shape, dtype in metas:
-            t = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(t, src=peer)
-            stats.recvs += 1
-            out.append(t)
+        out = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in metas]
+        stats.recvs += len(out)
+        if batched:
+            flush([dist.P2POp(dist.irecv, t, peer) for t in out])
+        else:
+            for t in out:
+                dist.recv(t, src=peer)
         return out
 
     def add(values):
@@ -153,6 +173,7 @@ def run_step(programs: list[StageProgram], params: list[torch.Tensor], buffers: 
             add(deferred)
             if prev_rank is not None:
                 send([g for g, ok in zip(grads_in, p.send_grads) if ok], prev_rank)
+    flush()
     for work, _ in works:
         work.wait()
     stats.seconds = time.perf_counter() - t0
