@@ -78,8 +78,8 @@ def test_profile_rank_with_a_fake_process_group():
     from hotswitch.runtime.profile import profile_rank
 
     x = torch.randint(0, 1001, (4, 32))
-    p = profile_rank(functools.partial(build_model, "gpt-tiny"), (x, x), "dp2tp2", rank=3, repeats=2, device="cpu")
-    assert (p.config, p.rank, p.world_size, p.device) == ("dp2tp2", 3, 4, "cpu")
+    p = profile_rank(functools.partial(build_model, "gpt-tiny"), (x, x), "dp2tp2sp", rank=3, repeats=2, device="cpu")
+    assert (p.config, p.rank, p.world_size, p.device) == ("dp2tp2sp", 3, 4, "cpu")
     assert p.local_shapes == ((2, 32), (2, 32))  # dp=2 splits the batch; tp ranks see their replica's rows
     assert p.seconds > 0 and p.tokens == 64
     n_params = sum(q.numel() for q in build_model("gpt-tiny").parameters())

@@ -93,6 +93,8 @@ def _worker(build_model, example_inputs, config, rank, repeats, device, dtype, b
 
     try:
         warnings.filterwarnings("ignore")
+        if device == "cpu":
+            torch.set_num_threads(1)  # as a rank spawned by hs.launch computes (one thread per process)
         if device.startswith("cuda"):
             where = torch.device(device)
             device = f"cuda:{where.index or 0}"  # set_device needs an index; "cuda" means the first GPU
