@@ -14,11 +14,11 @@
 import os
 import sys
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: OpenMP reads it when loaded
 if "TRITON_INTERPRET" not in os.environ:
     import torch
 
     os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "HOTSWITCH_CACHE_DIR" not in os.environ:
     import tempfile
 
