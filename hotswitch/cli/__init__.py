@@ -7,6 +7,7 @@ registers its parser and sets `run=<function taking the parsed args>`.
     hotswitch bench train    tokens/s of hot-switched training vs the best static config within a memory budget
     hotswitch bench elastic  a change of devices: planned move vs gathering on one rank vs checkpoint + restart
     hotswitch plan           plan one switch of a large model on a simulated cluster (pure, no processes)
+    hotswitch configs        the Pareto front of configs per length and the set to hot-switch between (pure)
 
 Command modules import torch only inside their `run` functions, so `--help` stays fast.
 """
@@ -18,12 +19,12 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
-    from hotswitch.cli import bench, demo, plan, train
+    from hotswitch.cli import bench, configs, demo, plan, train
 
     parser = argparse.ArgumentParser(prog="hotswitch", description="Compile a model once for several parallel "
                                      "layouts (DistConfigs) and hot-switch between them while training.")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for command in (demo, train, bench, plan):
+    for command in (demo, train, bench, plan, configs):
         command.add_parser(subparsers)
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):

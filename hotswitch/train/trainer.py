@@ -122,7 +122,8 @@ class Trainer:
 
     `model`: a causal LM whose forward takes `input_ids` (and `position_ids`, `attention_mask`) and
     returns logits or an object with `.logits` (e.g. a Hugging Face `LlamaForCausalLM`), with the
-    same weights on every rank. `configs`: DistConfigs (or "dp=2,tp=2" strings) over all ranks.
+    same weights on every rank. `configs`: DistConfigs (or "dp=2,tp=2" strings) over all ranks, or
+    "auto": measure a few configs and let `hotswitch.search` choose the set (`self.search` says why).
     `memory_budget_bytes`: per-rank cap on the estimated peak (None: no cap).
 
     Options: `base` (config holding masters and optimizer; default the most model-parallel),
@@ -145,6 +146,14 @@ class Trainer:
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.Trainer needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
+        self.search = None  # configs="auto": the search that chose them (hotswitch.search.SearchResult)
+        if isinstance(configs, str) and configs == "auto":
+            from hotswitch.search.auto import auto_configs
+            configs, self.search, traced = auto_configs(
+                model, memory_budget_bytes=memory_budget_bytes, lengths=buckets, micro_batch_tokens=micro_batch_tokens,
+                length_multiple=length_multiple, topology=topology, zero1=zero1, strict=strict,
+                compute_dtype=compute_dtype, progress=progress)
+            logic = logic if logic is not None else traced
         self.configs = tuple(c if isinstance(c, DistConfig) else DistConfig.parse(c) for c in configs)
         if not self.configs:
             raise ValueError("configs is empty: give at least one DistConfig, e.g. ['dp=4', 'tp=4,sp']")
