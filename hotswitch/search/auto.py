@@ -42,7 +42,8 @@ def default_lengths(max_seq_len: int, multiple: int = 16, count: int = 3) -> lis
 def calibration_configs(configs: Sequence[DistConfig]) -> list[DistConfig]:
     """Up to three pp = 1 configs that span the space: the most data-parallel, the most
     tensor-parallel (with SP where there is such a config), and the one with tp nearest the geometric
-    middle of the two (with SP when the most tensor-parallel one uses it, without otherwise)."""
+    middle of the two, with SP where the most tensor-parallel one has none and without where it has
+    (so that all-reduces and all-gathers / reduce-scatters are both measured)."""
     flat = [c for c in configs if c.pp == 1]
     if not flat:
         return []

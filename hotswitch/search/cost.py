@@ -110,8 +110,10 @@ class Work:
     activation_bytes: float  # kept for backward, this micro-batch: the blocks' ...
     head_activation_bytes: float = 0.0  # ... and the LM head's and loss's (logits over the vocabulary)
 
-    def features(self) -> tuple[float, ...]:
-        return (self.flops, self.traffic_bytes, self.comm_seconds, float(self.collectives), 1.0)
+    def features(self, latency: float) -> tuple[float, ...]:
+        """What `calibrate` fits a rate to: FLOPs, bytes, collective seconds with `latency` per call
+        (one scale for both: they cannot be told apart from a few configs), and one per micro-batch."""
+        return (self.flops, self.traffic_bytes, self.comm_seconds + latency * self.collectives, 1.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,7 +251,7 @@ def micro_batch_work(workload: Workload, config: DistConfig, length: int, rows: 
         if stages[slow][0] == 0:  # the vocab-parallel embedding's partial output
             comm += 2 * (t - 1) / t * message / bw
             count += 1
-    if dp > 1 and pp == 1:  # gradients reduced inside every micro-batch's graph
+    if dp > 1 and pp == 1 and workload.reduce_every_micro_batch:  # inside every micro-batch's graph
         params, _ = params_per_rank(workload, t, pp)
         grad_bytes = params * e
         comm += 2 * (dp - 1) / dp * grad_bytes / _bandwidth(topology, dp * t)
@@ -274,20 +276,20 @@ def estimate(workload: Workload, config: DistConfig, length: int, tokens: int, t
     work = micro_batch_work(workload, config, length, b, topology, in_flight=in_flight)
     per_micro = rates.seconds(work)
     comm = work.comm_seconds * rates.per_comm_second + work.collectives * rates.per_collective
+    comm *= micro_batches
     bubble = 0.0
     if config.pp == 1:
         seconds = micro_batches * per_micro
-    else:  # slots of the slowest stage, then one gradient all-reduce over dp
+    else:  # slots of the slowest stage
         bubble = (config.pp - 1) * per_micro
         seconds = (micro_batches + config.pp - 1) * per_micro
-        if config.dp > 1:
-            params, _ = params_per_rank(workload, config.tp, config.pp)
-            grad = 2 * (config.dp - 1) / config.dp * params * workload.compute_bytes
-            reduce = grad / _bandwidth(topology, config.world_size) * rates.per_comm_second + rates.per_collective
-            seconds += reduce
-            comm += reduce / max(micro_batches, 1)
     params, _ = params_per_rank(workload, config.tp, config.pp)
     e = workload.compute_bytes
+    if config.dp > 1 and (config.pp > 1 or not workload.reduce_every_micro_batch):  # one all-reduce per step
+        grad = 2 * (config.dp - 1) / config.dp * params * e
+        reduce = grad / _bandwidth(topology, config.world_size) * rates.per_comm_second + rates.per_collective
+        seconds += reduce
+        comm += reduce
     state = params * (e + GRAD_ACCUMULATOR_BYTES) + rates.graph_grad_scale * params * e
     peak = state + rates.activation_scale * work.activation_bytes \
         + rates.head_activation_scale * work.head_activation_bytes
@@ -295,8 +297,7 @@ def estimate(workload: Workload, config: DistConfig, length: int, tokens: int, t
     if zero1:
         optimizer /= config.dp
     return Estimate(config, length, rows, micro_batches, seconds, int(peak), int(optimizer),
-                    compute_seconds=micro_batches * (per_micro - comm), comm_seconds=micro_batches * comm,
-                    bubble_seconds=bubble)
+                    compute_seconds=seconds - comm - bubble, comm_seconds=comm, bubble_seconds=bubble)
 
 
 # ---------------------------------------------------------------- calibration
@@ -307,8 +308,11 @@ def calibrate(workload: Workload, topology: Topology, probes: Sequence, configs:
     """Rates fitted to measured micro-batches (`train.cost_model.Probe`s of pp = 1 configs: seconds of
     one micro-batch of `rows` rows, peak and state bytes per rank) by non-negative least squares.
 
-    With at least as many timed probes as time terms (5), every term is fitted; with fewer, the
-    defaults' prediction is scaled by one factor. Memory: the graph-held gradients, the blocks' and the
+    The time terms fitted are FLOPs, bytes, collectives and a constant per micro-batch; a collective is
+    priced as its bytes over the link plus the defaults' latency per call, scaled together (at one
+    micro-batch size the configs measured cannot tell bandwidth from latency apart). With at least as
+    many timed probes as terms (4), all are fitted; with fewer, the defaults' prediction is scaled.
+    Memory: the graph-held gradients, the blocks' and the
     head's activations are fitted to (peak - state) the same way (from three probes). Probes of
     configs not in `configs` are ignored."""
     timed, sized = [], []
@@ -324,12 +328,13 @@ def calibrate(workload: Workload, topology: Topology, probes: Sequence, configs:
             timed.append((work, p.seconds))
     rates = base_rates
     if timed:
-        x = np.array([w.features() for w, _ in timed])
+        latency = rates.per_collective / rates.per_comm_second
+        x = np.array([w.features(latency) for w, _ in timed])
         y = np.array([s for _, s in timed])
         if len(timed) >= x.shape[1]:
             coef = _nnls(x, y)
             rates = replace(rates, per_flop=coef[0], per_byte=coef[1], per_comm_second=coef[2],
-                            per_collective=coef[3], per_micro_batch=coef[4])
+                            per_collective=coef[2] * latency, per_micro_batch=coef[3])
         else:
             predicted = np.array([rates.seconds(w) for w, _ in timed])
             scale = float(predicted @ y / (predicted @ predicted))

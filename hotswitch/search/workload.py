@@ -25,7 +25,9 @@ class Workload:
     rank computes it whole (hotswitch's compiler); `pipeline`: whether pp > 1 configs are candidates
     (the Trainer runs pp = 1 configs only); `flash_attention`: a fused causal kernel (half the L x L
     FLOPs, no L x L tensors kept; Megatron on GPUs) or the math kernel the compiler traces on CPU
-    (every score computed and kept for backward)."""
+    (every score computed and kept for backward); `reduce_every_micro_batch`: whether data-parallel
+    gradients are all-reduced in every micro-batch (hotswitch's pp = 1 graphs reduce inside each
+    `forward_backward`) or once per step (Megatron, and hotswitch's pipelines)."""
 
     name: str
     model: ModelConfig
@@ -33,6 +35,7 @@ class Workload:
     head_sharded: bool = True
     pipeline: bool = True
     flash_attention: bool = True
+    reduce_every_micro_batch: bool = False
 
     def __post_init__(self) -> None:
         if self.compute_bytes not in (1, 2, 4, 8):
@@ -79,7 +82,8 @@ def _from_module(module, compute_bytes: int | None) -> Workload:
         family = "llama2" if cfg.mlp == "swiglu" else "gpt3"
         mc = ModelConfig(family, cfg.n_layers, cfg.dim, cfg.n_heads, cfg.hidden_dim, cfg.vocab_size,
                          n_kv_heads=cfg.kv_heads, max_seq_len=cfg.max_seq_len)
-        return Workload(name, mc, nbytes, head_sharded=False, pipeline=False, flash_attention=False)
+        return Workload(name, mc, nbytes, head_sharded=False, pipeline=False,
+                        flash_attention=False, reduce_every_micro_batch=True)
     hf = getattr(inner, "config", None)
     if hf is not None:
         get = lambda *keys: next((getattr(hf, k) for k in keys if getattr(hf, k, None) is not None), None)  # noqa: E731
@@ -92,7 +96,8 @@ def _from_module(module, compute_bytes: int | None) -> Workload:
             mc = ModelConfig(family, layers, hidden, heads, ffn, get("vocab_size"),
                              n_kv_heads=get("num_key_value_heads"),
                              max_seq_len=get("max_position_embeddings", "n_positions") or 2048)
-            return Workload(name, mc, nbytes, head_sharded=False, pipeline=False, flash_attention=False)
+            return Workload(name, mc, nbytes, head_sharded=False, pipeline=False,
+                        flash_attention=False, reduce_every_micro_batch=True)
     raise ValueError(f"cannot read a transformer shape off {type(inner).__name__}: hotswitch.search knows "
                      "hotswitch.models.GPT and Hugging Face causal LMs with a standard config; pass "
                      "workload=hotswitch.search.Workload(name, ModelConfig(...)) instead")
