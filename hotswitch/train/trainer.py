@@ -33,7 +33,7 @@ from hotswitch.runtime.compiled_model import CompiledModel
 from hotswitch.runtime.compiled_model import compile as hs_compile
 from hotswitch.switch.state import JOB_STATE, StateKind, state_key
 from hotswitch.train import data as D
-from hotswitch.train.cost_model import BucketDemand, CostModel, Probe
+from hotswitch.train.cost_model import BucketDemand, CostModel, Probe, default_base  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -110,11 +110,6 @@ class AdamWConfig:
         if "betas" in spec:
             spec["betas"] = tuple(spec["betas"])
         return cls(**spec)
-
-
-def default_base(configs: Sequence[DistConfig]) -> DistConfig:
-    """The most model-parallel config: it needs the least memory for masters and optimizer states."""
-    return max(configs, key=lambda c: (c.tp * c.pp, c.sp, -c.dp))
 
 
 class Trainer:
