@@ -4,16 +4,18 @@
     cm = hs.compile(model, example_inputs, ["dp4", "dp2tp2", "tp4sp"])   # ExecGraphs per config
     trainer = hs.Trainer(model, ["dp=4", "tp=4,sp"])                      # mixed-length training
     hs.launch(fn, 4)                                                      # fn(rank) on 4 processes
+    hs.search_configs(model, world_size=4, lengths=[64, 1024])            # Pareto configs per length
 
 Sub-packages follow the data flow, each importing only those before it: `distconfig` (layouts as
 values), `kernels`, `compiler` (trace, propagate, lower), `switch` (plan and execute switches),
-`runtime` (CompiledModel, pipeline schedules), `train` (Trainer, data, cost model), `elastic`,
+`runtime` (CompiledModel, pipeline schedules), `train` (Trainer, data, cost model), `search`
+(config candidates), `elastic`,
 `bench`, `cli`. Names load on first use: `hotswitch plan` never imports the compiler.
 """
 from hotswitch.distconfig import DistConfig, Topology
 
 __all__ = ["CompiledModel", "DistConfig", "StepReport", "Topology", "Trainer", "compile", "elastic", "launch",
-           "models"]
+           "models", "search_configs"]
 
 _LAZY = {  # public name -> (module, attribute or None for the module itself)
     "compile": ("hotswitch.runtime.compiled_model", "compile"),
@@ -23,6 +25,7 @@ _LAZY = {  # public name -> (module, attribute or None for the module itself)
     "launch": ("hotswitch.distributed.launch", "launch"),
     "models": ("hotswitch.models", None),
     "elastic": ("hotswitch.elastic", None),
+    "search_configs": ("hotswitch.search", "search_configs"),
 }
 
 

@@ -3,11 +3,12 @@
 The cost model's rates are machine-specific (a gloo collective on CPUs costs a millisecond, an NCCL
 one on NVLink microseconds), so before searching, three configs of the space that span it (the most
 data-parallel, the most tensor-parallel with SP, and one between) are measured at the shortest and
-the longest length (six micro-batches: as many as the model has time terms, plus one) by a Trainer of
-those configs (`Trainer.profile`: compiled ExecGraphs, the compiler's peak memory, timed forward +
-backward, the slowest rank). The rates fitted to them (`cost.calibrate`) price every config, and the
-candidate set the search chooses is what the user's Trainer then runs; it profiles those configs at
-its own buckets and assigns them per bucket as usual. Collective: call on every rank.
+the longest length (six micro-batches: more than the model's four time terms) by a Trainer of those
+configs (`Trainer.profile`: compiled ExecGraphs, the compiler's peak memory, timed forward +
+backward, the slowest rank; the Trainer hands that in as `measure`, so this layer does not import
+the Trainer). The rates fitted to them (`cost.calibrate`) price every config, and the candidate set
+the search chooses is what the user's Trainer then runs; it profiles those configs at its own
+buckets and assigns them per bucket as usual. Collective: call on every rank.
 """
 from __future__ import annotations
 
@@ -57,14 +58,14 @@ def calibration_configs(configs: Sequence[DistConfig]) -> list[DistConfig]:
     return list(dict.fromkeys(picked))
 
 
-def auto_configs(model: torch.nn.Module, *, memory_budget_bytes: int | None, lengths: Sequence[int] | None,
-                 micro_batch_tokens: int, length_multiple: int = 16, topology: Topology | None = None,
-                 zero1: bool = False, strict: bool = False, compute_dtype: torch.dtype | None = None,
-                 progress: Callable[[str], None] | None = None) -> tuple[list[DistConfig], SearchResult, object]:
-    """The configs `Trainer(configs="auto")` trains with, the search that chose them, and the traced
-    LogicGraph (so that the caller's Trainer does not trace again). See the module doc."""
-    from hotswitch.train.trainer import Trainer  # the Trainer imports this module lazily: no cycle
-
+def auto_configs(model: torch.nn.Module, measure: Callable[[list[DistConfig], list[int]], list], *,
+                 memory_budget_bytes: int | None, lengths: Sequence[int] | None, micro_batch_tokens: int,
+                 length_multiple: int = 16, topology: Topology | None = None, zero1: bool = False,
+                 compute_dtype: torch.dtype | None = None,
+                 progress: Callable[[str], None] | None = None) -> tuple[list[DistConfig], SearchResult]:
+    """The configs `Trainer(configs="auto")` trains with, and the search that chose them. `measure(configs,
+    lengths)` returns measured probes (`train.cost_model.Probe`) of those configs at those lengths: the
+    Trainer passes a function that profiles a Trainer of them. See the module doc."""
     say = progress or (lambda message: None)
     world = dist.get_world_size()
     topology = topology or Topology.from_env(world)
@@ -78,16 +79,10 @@ def auto_configs(model: torch.nn.Module, *, memory_budget_bytes: int | None, len
     probe_lengths = [L for L in probe_lengths if all(not c.sp or L % c.tp == 0 for c in probe_configs)] or lengths
     say(f"auto configs: measuring {', '.join(c.name for c in probe_configs)} at lengths {probe_lengths} "
         "to calibrate the cost model")
-    meter = Trainer(model, probe_configs, memory_budget_bytes=memory_budget_bytes,
-                    micro_batch_tokens=micro_batch_tokens, compute_dtype=compute_dtype, length_multiple=length_multiple,
-                    strict=strict, topology=topology, progress=progress)
-    meter.profile(probe_lengths)
-    probes = list(meter.cost.probes.values())
-    logic = meter.cm.logic
-    del meter
+    probes = measure(probe_configs, probe_lengths)
     result = search_configs(workload, world_size=world, lengths=lengths, memory_budget_bytes=memory_budget_bytes,
                             topology=topology, micro_batch_tokens=micro_batch_tokens, probes=probes,
                             hardware=hardware, zero1=zero1)
     say(f"auto configs: {', '.join(c.name for c in result.chosen)} (predicted step "
         f"{result.expected_seconds:.3g} s over lengths {list(result.lengths)})")
-    return list(result.chosen), result, logic
+    return list(result.chosen), result

@@ -30,10 +30,9 @@ from hotswitch.switch.cluster import STATE_BYTES, switch_moves
 from hotswitch.switch.order import plan_order
 from hotswitch.switch.planner import plan_switch
 from hotswitch.switch.state import StateKind
-from hotswitch.train.cost_model import NoConfigFits, default_base
 
 from .cost import Estimate, Hardware, Rates, calibrate, estimate
-from .space import enumerate_configs
+from .space import NoConfigFits, default_base, enumerate_configs
 from .workload import Workload, describe_workload
 
 __all__ = ["SearchResult", "pareto_front", "search_configs"]

@@ -24,7 +24,17 @@ from hotswitch.switch.cluster import check_config
 
 from .workload import Workload
 
-__all__ = ["Space", "enumerate_configs"]
+__all__ = ["NoConfigFits", "Space", "default_base", "enumerate_configs"]
+
+
+class NoConfigFits(ValueError):
+    """No config holds some length (a bucket) within the memory budget."""
+
+
+def default_base(configs):
+    """The most model-parallel config: it needs the least memory for masters and optimizer states
+    (the Trainer's base, and the search's)."""
+    return max(configs, key=lambda c: (c.tp * c.pp, c.sp, -c.dp))
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hotswitch.search.space import NoConfigFits
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -31,16 +33,6 @@ class Probe:
 
     def fits(self, budget: int | None) -> bool:
         return budget is None or self.peak_bytes <= budget
-
-
-def default_base(configs):
-    """The most model-parallel config: it needs the least memory for masters and optimizer states.
-    (Here, not in the trainer, so that the config search can apply it without importing the runtime.)"""
-    return max(configs, key=lambda c: (c.tp * c.pp, c.sp, -c.dp))
-
-
-class NoConfigFits(ValueError):
-    """No config holds a bucket within the memory budget."""
 
 
 @dataclass(frozen=True)

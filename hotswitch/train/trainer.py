@@ -31,9 +31,11 @@ from hotswitch.distconfig import DistConfig, Topology
 from hotswitch.models import PackedCausalLMLoss
 from hotswitch.runtime.compiled_model import CompiledModel
 from hotswitch.runtime.compiled_model import compile as hs_compile
+from hotswitch.search.auto import auto_configs
+from hotswitch.search.space import default_base
 from hotswitch.switch.state import JOB_STATE, StateKind, state_key
 from hotswitch.train import data as D
-from hotswitch.train.cost_model import BucketDemand, CostModel, Probe, default_base  # noqa: F401 (re-exported)
+from hotswitch.train.cost_model import BucketDemand, CostModel, Probe
 
 
 @dataclass(frozen=True)
@@ -143,12 +145,22 @@ class Trainer:
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
         self.search = None  # configs="auto": the search that chose them (hotswitch.search.SearchResult)
         if isinstance(configs, str) and configs == "auto":
-            from hotswitch.search.auto import auto_configs
-            configs, self.search, traced = auto_configs(
-                model, memory_budget_bytes=memory_budget_bytes, lengths=buckets, micro_batch_tokens=micro_batch_tokens,
-                length_multiple=length_multiple, topology=topology, zero1=zero1, strict=strict,
+            meters = []  # a Trainer of the configs measured to calibrate; its LogicGraph is reused below
+
+            def measure(configs, lengths):
+                meters.append(Trainer(model, configs, memory_budget_bytes=memory_budget_bytes, logic=logic,
+                                      micro_batch_tokens=micro_batch_tokens, compute_dtype=compute_dtype,
+                                      length_multiple=length_multiple, strict=strict, topology=topology,
+                                      progress=progress))
+                meters[-1].profile(lengths)
+                return list(meters[-1].cost.probes.values())
+
+            configs, self.search = auto_configs(
+                model, measure, memory_budget_bytes=memory_budget_bytes, lengths=buckets, topology=topology,
+                micro_batch_tokens=micro_batch_tokens, length_multiple=length_multiple, zero1=zero1,
                 compute_dtype=compute_dtype, progress=progress)
-            logic = logic if logic is not None else traced
+            logic = meters[0].cm.logic if meters else logic
+            del meters
         self.configs = tuple(c if isinstance(c, DistConfig) else DistConfig.parse(c) for c in configs)
         if not self.configs:
             raise ValueError("configs is empty: give at least one DistConfig, e.g. ['dp=4', 'tp=4,sp']")
