@@ -201,3 +201,13 @@ def test_cli_prints_the_frontier_and_draws_it(tmp_path, capsys):
     with pytest.raises(SystemExit, match="no config fits"):
         main(["configs", "--model", "gpt-tiny", "--world-size", "4", "--lengths", "256", "--memory-budget-mib", "1",
               "--plot", ""])
+
+
+def test_bound_only_pricing_equals_the_plans_bound():
+    """The search prices switches at cluster scale by the planner's lower bound, computed without a plan."""
+    from hotswitch.switch.planner import lower_bound_seconds
+
+    topo = gpu_cluster(64, 8)
+    for src, dst in (("dp8tp8", "dp4tp2pp8"), ("dp2tp8pp4sp", "dp16tp4"), ("tp8pp8", "dp64")):
+        moves = switch_moves("gpt3-13b", DistConfig.parse(src), DistConfig.parse(dst), 64, with_grads=True)
+        assert lower_bound_seconds(moves, topo) == plan_switch(moves, topo, "fcfs").lower_bound_seconds > 0

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from hotswitch.distconfig import DistConfig, Topology
 from hotswitch.switch.cluster import STATE_BYTES, switch_moves
 from hotswitch.switch.order import plan_order
-from hotswitch.switch.planner import plan_switch
+from hotswitch.switch.planner import lower_bound_seconds, plan_switch
 from hotswitch.switch.state import StateKind
 
 from .cost import Estimate, Hardware, Rates, calibrate, estimate
@@ -205,7 +205,7 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
                    micro_batch_tokens: int = 2048, tokens_per_length: int | None = None,
                    probes: Sequence = (), hardware: Hardware | None = None, rates: Rates | None = None,
                    zero1: bool = False, max_assignments: int = 4096,
-                   switch_algorithm: str = "round_robin") -> SearchResult:
+                   switch_pricing: str | None = None) -> SearchResult:
     """Price every config of the space at each length, keep the Pareto sets, choose the candidates.
 
     `model`: an nn.Module (a built-in GPT or a Hugging Face causal LM), a cluster model name such as
@@ -215,9 +215,11 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
     rank. `topology`: devices and bandwidths (default `world_size` devices on one node).
     `probes`: measured micro-batches (`train.cost_model.Probe`, e.g. `Trainer.cost.probes.values()`)
     that calibrate the rates; without them `hardware` (default an H100; `Hardware.cpu()` for gloo)
-    sets them, or pass `rates` directly. `switch_algorithm`: the planner's algorithm that prices
-    switches ("round_robin", vectorized, is within a few percent of "greedy"'s estimate and many
-    times faster on 1024 devices; "greedy" is what the runtime executes). Pure: no process group.
+    sets them, or pass `rates` directly. `switch_pricing`: "greedy" prices a switch by the estimate
+    of the plan the runtime executes (the planner's greedy), "lower_bound" by the planner's
+    algorithm-independent bound (vectorized: the greedy loop is seconds per plan at 1024 devices,
+    where greedy stays within 1-2.3x of the bound); default greedy up to 256 devices. Pure: no
+    process group, nothing runs.
     """
     t0 = time.perf_counter()
     workload = describe_workload(model)
@@ -255,7 +257,11 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
             raise ValueError(f"no config can run length {length}; use lengths that are multiples of the tp degrees")
         estimates[length] = tuple(priced)
     pareto = {length: pareto_front(es) for length, es in estimates.items()}
-    chooser = _Chooser(workload, topology, memory_budget_bytes, switch_algorithm)
+    if switch_pricing is None:
+        switch_pricing = "greedy" if topology.num_devices <= 256 else "lower_bound"
+    if switch_pricing not in ("greedy", "lower_bound"):
+        raise ValueError(f"switch_pricing must be 'greedy' or 'lower_bound', got {switch_pricing!r}")
+    chooser = _Chooser(workload, topology, memory_budget_bytes, switch_pricing)
     assignment, base, compute, switching = chooser.choose(pareto, max_assignments)
     configs = {c.name: c for c in space.configs}
     chosen = tuple(configs[n] for n in dict.fromkeys([base, *assignment.values()]))
@@ -270,23 +276,25 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
 class _Chooser:
     """One config per length from the Pareto sets: least compute + switching cycle within the budget."""
 
-    def __init__(self, workload: Workload, topology: Topology, budget: int | None, algorithm: str):
-        self.workload, self.topology, self.budget, self.algorithm = workload, topology, budget, algorithm
+    def __init__(self, workload: Workload, topology: Topology, budget: int | None, pricing: str):
+        self.workload, self.topology, self.budget, self.pricing = workload, topology, budget, pricing
         self._switch: dict[tuple[str, str, bool], float] = {}
         self._configs: dict[str, DistConfig] = {}
         self.plans = 0
 
     def switch_seconds(self, a: str, b: str, first: bool) -> float:
-        """The planner's estimate of switching a -> b: weights only for the first switch of a step, else
-        weights and fp32 gradients. Gradients have their parameter's layout, so where the algorithm picks
-        senders regardless of load (round_robin, fcfs) that plan is the weights' plan with every slice
-        (e + 4) / e times the bytes, and so is its estimate: one plan per pair is made, not two."""
-        linear = self.algorithm in ("round_robin", "fcfs")
+        """Switching a -> b: weights only for the first switch of a step, else weights and fp32
+        gradients. The bound is linear in bytes and gradients have their parameter's layout, so the
+        bound with gradients is the weights' bound times (e + 4) / e: one plan per pair, not two."""
+        linear = self.pricing == "lower_bound"
         key = (a, b, first or linear)
         if key not in self._switch:
             moves = switch_moves(self.workload.model, self._configs[a], self._configs[b], self.topology.num_devices,
                                  dtype_bytes=self.workload.compute_bytes, with_grads=not key[2])
-            self._switch[key] = plan_switch(moves, self.topology, self.algorithm).estimated_seconds
+            if linear:
+                self._switch[key] = lower_bound_seconds(moves, self.topology)
+            else:
+                self._switch[key] = plan_switch(moves, self.topology, "greedy").estimated_seconds
             self.plans += 1
         e = self.workload.compute_bytes
         return self._switch[key] * (1 if first or not linear else (e + STATE_BYTES[StateKind.GRAD]) / e)
