@@ -5,9 +5,10 @@
                                        [--json PATH]
 
 On `--world-size` gloo processes, a Trainer compiles every config of the search space (dp x tp, sp;
-pp = 1, as the Trainer runs them) and `Trainer.profile` measures one micro-batch of each at each
-length (median of `--repeats` forward + backward runs after a warm-up, the slowest rank; peak memory
-from the ExecGraph). Then, as `Trainer(configs="auto")` does, only the three calibration configs
+pp = 1, as the Trainer runs them) at each length (`Trainer.profile`: peak memory from the
+ExecGraph), then one micro-batch of each is timed: the fastest of `--repeats` forward + backward
+runs after a warm-up, each the slowest rank's (the minimum, not the median: on a shared machine
+noise only ever adds time). Then, as `Trainer(configs="auto")` does, only the three calibration configs
 (`search.auto.calibration_configs`) calibrate the cost model, and `search_configs` predicts every
 config. A length's step time is its micro-batches (the same count for prediction and measurement)
 times one micro-batch's seconds. Printed per length: predicted and measured seconds of every
@@ -25,25 +26,46 @@ import numpy as np
 
 
 def measure(rank: int, model_name: str, lengths: list[int], micro_batch_tokens: int, repeats: int) -> dict:
+    import dataclasses
+
     import torch
+    import torch.distributed as dist
 
     from hotswitch.distconfig import Topology
     from hotswitch.models import build_model
     from hotswitch.search import describe_workload, enumerate_configs
+    from hotswitch.train import data as D
     from hotswitch.train.trainer import Trainer
 
     torch.manual_seed(0)
     model = build_model(model_name)
-    world = torch.distributed.get_world_size()
+    world = dist.get_world_size()
     space = enumerate_configs(describe_workload(model), Topology.from_env(world))
     say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
     say(f"measuring {', '.join(c.name for c in space.configs)} at lengths {lengths}")
     t0 = time.perf_counter()
-    trainer = Trainer(model, list(space.configs), micro_batch_tokens=micro_batch_tokens, profile_repeats=repeats,
+    trainer = Trainer(model, list(space.configs), micro_batch_tokens=micro_batch_tokens, profile_repeats=1,
                       progress=say)
-    trainer.profile(lengths)
+    trainer.profile(lengths)  # compiles every (config, length) and reads the ExecGraph's peak memory
+    cm, probes = trainer.cm, []
+    for config in space.configs:  # then times each: the fastest of `repeats` runs (slowest rank each)
+        cm.switch(config.name)
+        for length in lengths:
+            rows = trainer.rows_per_micro_batch(config, length)
+            local = cm.shard_inputs(*D.full_length_micro_batch(rows, length, seed=length))
+            cm.forward_backward(*local)
+            best = float("inf")
+            for _ in range(repeats):
+                dist.barrier()
+                start = time.perf_counter()
+                cm.forward_backward(*local)
+                took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                best = min(best, float(took))
+            cm.zero_grad()
+            probes.append(dataclasses.replace(trainer.cost.probes[(config.name, length)], seconds=best))
     say(f"measured in {time.perf_counter() - t0:.0f} s")
-    return dict(probes=list(trainer.cost.probes.values()), configs=[c.spec() for c in space.configs])
+    return dict(probes=probes, configs=[c.spec() for c in space.configs])
 
 
 def spearman(a, b) -> float:
