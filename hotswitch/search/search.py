@@ -149,27 +149,36 @@ class SearchResult:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib import ticker
 
         k = len(self.lengths)
         fig, axes = plt.subplots(1, k, figsize=(4.6 * k, 4.2), squeeze=False, layout="constrained")
+        top = max(e.peak_bytes for es in self.estimates.values() for e in es)
+        unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
+        optimizer = self.estimate(self.base, self.lengths[0]).optimizer_bytes
         for ax, length in zip(axes[0], self.lengths):
             every = self.estimates[length]
-            ax.scatter([e.peak_bytes / 2**30 for e in every], [e.seconds for e in every], s=14, c="0.7",
+            ax.scatter([e.peak_bytes / scale for e in every], [e.seconds for e in every], s=14, c="0.7",
                        label="config")
             front = sorted(self.pareto[length], key=lambda e: e.peak_bytes)
-            ax.plot([e.peak_bytes / 2**30 for e in front], [e.seconds for e in front], "o-", c="tab:blue",
+            ax.plot([e.peak_bytes / scale for e in front], [e.seconds for e in front], "o-", c="tab:blue",
                     ms=5, label="Pareto front")
             for e in front:
-                ax.annotate(e.name, (e.peak_bytes / 2**30, e.seconds), fontsize=7, xytext=(3, 3),
+                ax.annotate(e.name, (e.peak_bytes / scale, e.seconds), fontsize=7, xytext=(3, 3),
                             textcoords="offset points")
             chosen = self.estimate(self.assignment[length], length)
-            ax.scatter([chosen.peak_bytes / 2**30], [chosen.seconds], s=90, facecolors="none", edgecolors="tab:red",
+            ax.scatter([chosen.peak_bytes / scale], [chosen.seconds], s=90, facecolors="none", edgecolors="tab:red",
                        linewidths=2, label=f"chosen: {chosen.name}", zorder=3)
-            if self.memory_budget_bytes is not None:
-                ax.axvline(self.memory_budget_bytes / 2**30, ls="--", c="tab:red", lw=1, label="budget")
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_xlabel("peak memory per rank (GiB)")
+            if self.memory_budget_bytes is not None:  # what a config may use beside the base's optimizer state
+                ax.axvline((self.memory_budget_bytes - optimizer) / scale, ls="--", c="tab:red", lw=1,
+                           label=f"budget - {self.base}'s optimizer")
+            xs, ys = [e.peak_bytes for e in every], [e.seconds for e in every]
+            for axis, values, set_scale in ((ax.xaxis, xs, ax.set_xscale), (ax.yaxis, ys, ax.set_yscale)):
+                if max(values) > 8 * min(values):  # log only where the values span a decade
+                    set_scale("log")
+                    axis.set_major_formatter(ticker.FormatStrFormatter("%g"))
+                    axis.set_minor_formatter(ticker.NullFormatter())
+            ax.set_xlabel(f"peak memory per rank ({unit})")
             ax.set_ylabel("predicted seconds per step at this length")
             ax.set_title(f"length {length}", fontsize=10)
             ax.legend(fontsize=7)
@@ -265,9 +274,8 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
     assignment, base, compute, switching = chooser.choose(pareto, max_assignments)
     configs = {c.name: c for c in space.configs}
     chosen = tuple(configs[n] for n in dict.fromkeys([base, *assignment.values()]))
-    notes = []
-    if len(set(assignment.values())) > 1 or base not in assignment.values():
-        notes.append(f"switch plans priced: {chooser.plans}")
+    how = "the planner's greedy plans" if switch_pricing == "greedy" else "the planner's lower bound"
+    notes = [f"switches priced by {how} ({chooser.plans} config pairs planned)"]
     return SearchResult(workload, topology, shares, estimates, pareto, chosen, assignment, base, compute, switching,
                         memory_budget_bytes, base_rates, tuple(pruned), time.perf_counter() - t0, chooser.plans,
                         zero1, tuple(notes), tuple(probes))
