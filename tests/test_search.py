@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from hotswitch.cli import main
 from hotswitch.distconfig import DistConfig, Topology
-from hotswitch.models import build_model
+from hotswitch.models import PackedCausalLMLoss, build_hf_model, build_model
 from hotswitch.search import (
     Hardware,
     Rates,
@@ -185,8 +185,13 @@ def test_cluster_scale_frontier_for_three_lengths():
 
 def test_default_lengths_and_workloads():
     assert default_lengths(512) == [64, 176, 512] and default_lengths(256, 32) == [128, 192, 256]
-    hf = describe_workload(build_model("gpt-tiny"))
-    assert hf.model.kv_heads == 2 and hf.compute_bytes == 4 and not hf.head_sharded and not hf.pipeline
+    tiny = describe_workload(PackedCausalLMLoss(build_model("gpt-tiny")))
+    assert tiny.model.kv_heads == 2 and tiny.compute_bytes == 4 and not tiny.head_sharded and not tiny.pipeline
+    llama = describe_workload(build_hf_model("llama"))  # HFCausalLMLoss(LlamaForCausalLM)
+    assert (llama.model.family, llama.model.n_layers, llama.model.kv_heads, llama.model.ffn_hidden) == \
+        ("llama2", 2, 2, 160)
+    gpt2 = describe_workload(build_hf_model("gpt2"))
+    assert gpt2.model.family == "gpt3" and gpt2.model.ffn_hidden == 4 * 64 and gpt2.model.tied_embeddings
     with pytest.raises(ValueError, match="cannot read a transformer shape"):
         describe_workload(torch.nn.Linear(2, 2))
 
