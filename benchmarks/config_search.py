@@ -18,6 +18,7 @@ the predicted-fastest (or within 10% of it); then both over all (config, length)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -142,14 +143,16 @@ def main(argv=None) -> int:
               f"{r['predicted_fastest']} ({r['gap_percent']:.1f}% slower than the measured fastest): "
               f"{'OK' if r['ok'] else 'NOT within 10%'}")
         rows += here
-    pooled = _compare(rows)
+    pooled = dict(spearman=spearman([r["predicted"] for r in rows], [r["measured"] for r in rows]))
     held_out = [r for r in rows if not r["calibration"]]
     print(f"\nall (config, length) pairs: Spearman {pooled['spearman']:.3f}; configs not measured for calibration "
           f"only: Spearman {spearman([r['predicted'] for r in held_out], [r['measured'] for r in held_out]):.3f}")
     print(f"search chose {', '.join(c.name for c in result.chosen)} ({result.assignment})")
     with open(args.json, "w") as f:
         json.dump(dict(args=vars(args), rows=rows, per_length={str(k): v for k, v in report.items()},
-                       pooled=pooled, chosen=[c.name for c in result.chosen]), f, indent=1)
+                       pooled=pooled, chosen=[c.name for c in result.chosen],
+                       probes=[dataclasses.asdict(q) for q in probes],
+                       rates={k: float(v) for k, v in dataclasses.asdict(result.rates).items()}), f, indent=1)
     print(f"wrote {args.json}")
     return 0 if all(r["ok"] for r in report.values()) else 1
 
