@@ -8,9 +8,9 @@
 
 Sub-packages follow the data flow, each importing only those before it: `distconfig` (layouts as
 values), `kernels`, `compiler` (trace, propagate, lower), `switch` (plan and execute switches),
-`runtime` (CompiledModel, pipeline schedules), `train` (Trainer, data, cost model), `search`
-(config candidates), `elastic`,
-`bench`, `cli`. Names load on first use: `hotswitch plan` never imports the compiler.
+`search` (config candidates: Pareto sets per length), `runtime` (CompiledModel, pipeline schedules),
+`train` (Trainer, data, cost model), `elastic`, `bench`, `cli`. Names load on first use:
+`hotswitch plan` never imports the compiler.
 """
 from hotswitch.distconfig import DistConfig, Topology
 

@@ -16,6 +16,7 @@ Memory is pruned per length later (`hotswitch.search.search`), where the budget 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hotswitch.distconfig import DistConfig, Topology
@@ -31,7 +32,7 @@ class NoConfigFits(ValueError):
     """No config holds some length (a bucket) within the memory budget."""
 
 
-def default_base(configs):
+def default_base(configs: Sequence[DistConfig]) -> DistConfig:
     """The most model-parallel config: it needs the least memory for masters and optimizer states
     (the Trainer's base, and the search's)."""
     return max(configs, key=lambda c: (c.tp * c.pp, c.sp, -c.dp))
