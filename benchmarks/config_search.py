@@ -1,7 +1,7 @@
 """Predicted vs measured step time over every candidate config: is the search's cost model right?
 
     python benchmarks/config_search.py [--model gpt-small] [--world-size 4] [--lengths 64,256]
-                                       [--micro-batch-tokens 512] [--repeats 5] [--memory-budget-mib M]
+                                       [--micro-batch-tokens 1024] [--repeats 8] [--memory-budget-mib M]
                                        [--json PATH]
 
 On `--world-size` gloo processes, a Trainer compiles every config of the search space (dp x tp, sp;
@@ -91,8 +91,8 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="gpt-small")
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--lengths", default="64,256")
-    p.add_argument("--micro-batch-tokens", type=int, default=512)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--micro-batch-tokens", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--memory-budget-mib", type=float, default=None)
     p.add_argument("--json", default="config_search.json")
     args = p.parse_args(argv)
