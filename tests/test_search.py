@@ -170,7 +170,7 @@ def test_calibration_recovers_the_rates_that_made_the_measurements():
 def _params(w, config):
     from hotswitch.search.cost import params_per_rank
 
-    return params_per_rank(w, config.tp, config.pp)[0]
+    return params_per_rank(w, config.tp, config.pp)
 
 
 def test_cluster_scale_frontier_for_three_lengths():
@@ -216,3 +216,21 @@ def test_bound_only_pricing_equals_the_plans_bound():
     for src, dst in (("dp8tp8", "dp4tp2pp8"), ("dp2tp8pp4sp", "dp16tp4"), ("tp8pp8", "dp64")):
         moves = switch_moves("gpt3-13b", DistConfig.parse(src), DistConfig.parse(dst), 64, with_grads=True)
         assert lower_bound_seconds(moves, topo) == plan_switch(moves, topo, "fcfs").lower_bound_seconds > 0
+
+
+def test_parameters_per_rank_equal_the_layouts():
+    """The memory model's parameter count per rank is the busiest device's under the cluster model's
+    layouts (Megatron's: tied embedding in the first and last stage), and the module's own count."""
+    from hotswitch.search.cost import params_per_rank
+    from hotswitch.switch.cluster import layouts
+
+    model = build_model("gpt-small")
+    assert params_per_rank(describe_workload(model), 1, 1) == sum(p.numel() for p in model.parameters())
+    gpt3 = describe_workload("gpt3-1.3b")
+    for spec in ("dp2tp4pp2", "tp8pp2", "dp4tp2pp2", "dp16"):
+        config = DistConfig.parse(spec)
+        per_device = [0] * 16
+        for layout in layouts("gpt3-1.3b", config, 16).values():
+            for d in layout.mesh.devices:
+                per_device[d] += layout.numel(d)
+        assert params_per_rank(gpt3, config.tp, config.pp) == max(per_device), spec

@@ -154,19 +154,15 @@ def rows_per_replica(length: int, micro_batch_tokens: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def params_per_rank(workload: Workload, tp: int, pp: int) -> tuple[int, int]:
-    """(parameters held by the busiest rank, of which in LM head and embeddings) under tp x pp:
-    sharded roles divided by tp, stages from `cluster.split_stages`; the largest stage's count."""
+def params_per_rank(workload: Workload, tp: int, pp: int) -> int:
+    """Parameters held by the busiest rank under tp x pp: the compiler's tp roles (sharded roles
+    divided by tp), stages from `cluster.split_stages` (a tied embedding in the first and last)."""
     spec = describe_model(workload.model)
     c = spec.config
     kv_sharded = tp == 1 or heads_sharded(c.kv_heads, tp, (c.n_heads,))
     tied = c.tied_embeddings
-    stages = split_stages(spec, pp)
-    stage_of = {}
-    for s, (a, b) in enumerate(stages):
-        stage_of.update({layer: s for layer in range(a, b)})
+    stage_of = {layer: s for s, (a, b) in enumerate(split_stages(spec, pp)) for layer in range(a, b)}
     per_stage = [0] * pp
-    vocab = [0] * pp
     for p in spec.params:
         role = p.role
         if role in ("column", "row") or (role == "kv_column" and kv_sharded):
@@ -178,17 +174,14 @@ def params_per_rank(workload: Workload, tp: int, pp: int) -> tuple[int, int]:
         else:
             n = p.numel
         if p.layer is not None:
-            stages_of_p = (stage_of[p.layer],)
+            stages = (stage_of[p.layer],)
         elif role in ("embedding", "position"):
-            stages_of_p = (0, pp - 1) if role == "embedding" and tied and pp > 1 else (0,)
+            stages = (0, pp - 1) if role == "embedding" and tied and pp > 1 else (0,)
         else:
-            stages_of_p = (pp - 1,)
-        for s in stages_of_p:
+            stages = (pp - 1,)
+        for s in set(stages):
             per_stage[s] += n
-            if role in ("embedding", "head"):
-                vocab[s] += n
-    busiest = max(range(pp), key=per_stage.__getitem__)
-    return per_stage[busiest], vocab[busiest]
+    return max(per_stage)
 
 
 # ---------------------------------------------------------------- work per micro-batch
@@ -252,7 +245,7 @@ def micro_batch_work(workload: Workload, config: DistConfig, length: int, rows: 
             comm += 2 * (t - 1) / t * message / bw
             count += 1
     if dp > 1 and pp == 1 and workload.reduce_every_micro_batch:  # inside every micro-batch's graph
-        params, _ = params_per_rank(workload, t, pp)
+        params = params_per_rank(workload, t, pp)
         grad_bytes = params * e
         comm += 2 * (dp - 1) / dp * grad_bytes / _bandwidth(topology, dp * t)
         count += max(1, math.ceil(grad_bytes / BUCKET_BYTES))
@@ -283,7 +276,7 @@ def estimate(workload: Workload, config: DistConfig, length: int, tokens: int, t
     else:  # slots of the slowest stage
         bubble = (config.pp - 1) * per_micro
         seconds = (micro_batches + config.pp - 1) * per_micro
-    params, _ = params_per_rank(workload, config.tp, config.pp)
+    params = params_per_rank(workload, config.tp, config.pp)
     e = workload.compute_bytes
     if config.dp > 1 and (config.pp > 1 or not workload.reduce_every_micro_batch):  # one all-reduce per step
         grad = 2 * (config.dp - 1) / config.dp * params * e
@@ -321,7 +314,7 @@ def calibrate(workload: Workload, topology: Topology, probes: Sequence, configs:
         if config is None or config.pp != 1:
             continue
         work = micro_batch_work(workload, config, p.length, p.rows // config.dp, topology)
-        params, _ = params_per_rank(workload, config.tp, config.pp)
+        params = params_per_rank(workload, config.tp, config.pp)
         sized.append(((params * workload.compute_bytes, work.activation_bytes, work.head_activation_bytes),
                       p.peak_bytes - p.state_bytes))
         if p.seconds is not None:
