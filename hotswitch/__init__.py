@@ -4,16 +4,18 @@
     cm = hs.compile(model, example_inputs, ["dp4", "dp2tp2", "tp4sp"])   # ExecGraphs per config
     trainer = hs.Trainer(model, ["dp=4", "tp=4,sp"])                      # mixed-length training
     hs.launch(fn, 4)                                                      # fn(rank) on 4 processes
+    hs.search_configs(model, world_size=4, lengths=[64, 1024])            # Pareto configs per length
 
 Sub-packages follow the data flow, each importing only those before it: `distconfig` (layouts as
 values), `kernels`, `compiler` (trace, propagate, lower), `switch` (plan and execute switches),
-`runtime` (CompiledModel, pipeline schedules), `train` (Trainer, data, cost model), `elastic`,
-`bench`, `cli`. Every name loads on first use: `import hotswitch` imports nothing else (not even
-torch), so `hotswitch --help` is quick and `hotswitch plan` never imports the compiler.
+`search` (config candidates: Pareto sets per length), `runtime` (CompiledModel, pipeline schedules),
+`train` (Trainer, data, cost model), `elastic`, `bench`, `cli`. Every name loads on first use:
+`import hotswitch` imports nothing else (not even torch), so `hotswitch --help` is quick and
+`hotswitch plan` never imports the compiler.
 """
 
 __all__ = ["CompiledModel", "DistConfig", "StepReport", "Topology", "Trainer", "compile", "elastic", "launch",
-           "models"]
+           "models", "search_configs"]
 
 _LAZY = {  # public name -> (module, attribute or None for the module itself)
     "DistConfig": ("hotswitch.distconfig", "DistConfig"),
@@ -25,6 +27,7 @@ _LAZY = {  # public name -> (module, attribute or None for the module itself)
     "launch": ("hotswitch.distributed.launch", "launch"),
     "models": ("hotswitch.models", None),
     "elastic": ("hotswitch.elastic", None),
+    "search_configs": ("hotswitch.search", "search_configs"),
 }
 
 

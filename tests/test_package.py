@@ -21,6 +21,7 @@ LAYERS = [
     "distributed",
     "compiler",
     "switch",
+    "search",
     "runtime",
     "train",
     "elastic",

@@ -7,6 +7,7 @@ registers its parser and sets `run=<function taking the parsed args>`.
     hotswitch bench train    tokens/s of hot-switched training vs the best static config within a memory budget
     hotswitch bench elastic  a change of devices: planned move vs gathering on one rank vs checkpoint + restart
     hotswitch plan           plan one switch of a large model on a simulated cluster (pure, no processes)
+    hotswitch configs        the Pareto front of configs per length and the set to hot-switch between (pure)
 
 Command modules import torch only inside their `run` functions, so `--help` stays fast.
 """
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `hotswitch` parser and its sub-commands' (torch is not imported to build them)."""
-    from hotswitch.cli import bench, demo, plan, train
+    from hotswitch.cli import bench, configs, demo, plan, train
     from hotswitch.cli.common import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="hotswitch", formatter_class=HelpFormatter,
@@ -38,6 +39,6 @@ def build_parser() -> argparse.ArgumentParser:
                                      "hotswitch as hs; hs.compile(model, example_inputs, ['dp4', 'tp4sp']); examples "
                                      "to copy are in the repository's examples/ folder.")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for command in (demo, train, bench, plan):
+    for command in (demo, train, bench, plan, configs):
         command.add_parser(subparsers)
     return parser

@@ -66,7 +66,8 @@ import torch
 from hotswitch.distconfig import Layout, Mesh, Topology
 from hotswitch.distconfig.layout import Box
 
-__all__ = ["ALGORITHMS", "LostState", "PlanCache", "SwitchPlan", "TensorMove", "Transfer", "plan_switch", "unowned"]
+__all__ = ["ALGORITHMS", "LostState", "PlanCache", "SwitchPlan", "TensorMove", "Transfer", "lower_bound_seconds",
+           "plan_switch", "unowned"]
 
 ALGORITHMS = ("greedy", "fcfs", "round_robin", "gather")
 
@@ -552,6 +553,20 @@ def plan_switch(moves: Sequence[TensorMove], topology: Topology, algorithm: str 
         if key not in pairs:
             pairs[key] = _pair(m.src, m.dst, unavailable)
     return _Planner(moves, [pairs[(m.src, m.dst)] for m in moves], topology, algorithm).run(t0)
+
+
+def lower_bound_seconds(moves: Sequence[TensorMove], topology: Topology) -> float:
+    """`plan_switch(moves, topology).lower_bound_seconds` without making the plan: no senders chosen,
+    no transfer records. For searches that price many config pairs (`hotswitch.search`); the moves are
+    trusted to be valid (`plan_switch` checks them)."""
+    moves = list(moves)
+    pairs: dict[tuple[Layout, Layout], _Pair] = {}
+    for m in moves:
+        if (m.src, m.dst) not in pairs:
+            pairs[(m.src, m.dst)] = _pair(m.src, m.dst)
+    planner = _Planner(moves, [pairs[(m.src, m.dst)] for m in moves], topology, "fcfs")
+    items, moved = planner.items, ~planner.items["local"]
+    return planner._lower_bound_seconds(items["box"][moved], items["recv"][moved], items["nbytes"][moved])
 
 
 class _Planner:

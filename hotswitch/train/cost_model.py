@@ -19,6 +19,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from hotswitch.search.space import NoConfigFits
+
 
 @dataclass(frozen=True)
 class Probe:
@@ -31,10 +33,6 @@ class Probe:
 
     def fits(self, budget: int | None) -> bool:
         return budget is None or self.peak_bytes <= budget
-
-
-class NoConfigFits(ValueError):
-    """No config holds a bucket within the memory budget."""
 
 
 @dataclass(frozen=True)

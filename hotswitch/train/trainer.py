@@ -33,6 +33,8 @@ from hotswitch.kernels import cast
 from hotswitch.models import PackedCausalLMLoss
 from hotswitch.runtime.compiled_model import CompiledModel
 from hotswitch.runtime.compiled_model import compile as hs_compile
+from hotswitch.search.auto import auto_configs
+from hotswitch.search.space import default_base
 from hotswitch.switch.state import JOB_STATE, StateKind, state_key
 from hotswitch.train import data as D
 from hotswitch.train.cost_model import BucketDemand, CostModel, Probe
@@ -114,17 +116,13 @@ class AdamWConfig:
         return cls(**spec)
 
 
-def default_base(configs: Sequence[DistConfig]) -> DistConfig:
-    """The most model-parallel config: it needs the least memory for masters and optimizer states."""
-    return max(configs, key=lambda c: (c.tp * c.pp, c.sp, -c.dp))
-
-
 class Trainer:
     """Hot-switched mixed-length training of a causal LM on the current process group.
 
     `model`: a causal LM whose forward takes `input_ids` (and `position_ids`, `attention_mask`) and
     returns logits or an object with `.logits` (e.g. a Hugging Face `LlamaForCausalLM`), with the
-    same weights on every rank. `configs`: DistConfigs (or "dp=2,tp=2" strings) over all ranks.
+    same weights on every rank. `configs`: DistConfigs (or "dp=2,tp=2" strings) over all ranks, or
+    "auto": measure a few configs and let `hotswitch.search` choose the set (`self.search` says why).
     `memory_budget_bytes`: per-rank cap on the estimated peak (None: no cap).
 
     Options: `base` (config holding masters and optimizer; default the most model-parallel),
@@ -147,6 +145,24 @@ class Trainer:
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.Trainer needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
+        self.search = None  # configs="auto": the search that chose them (hotswitch.search.SearchResult)
+        if isinstance(configs, str) and configs == "auto":
+            meters = []  # a Trainer of the configs measured to calibrate; its LogicGraph is reused below
+
+            def measure(configs, lengths):
+                meters.append(Trainer(model, configs, memory_budget_bytes=memory_budget_bytes, logic=logic,
+                                      micro_batch_tokens=micro_batch_tokens, compute_dtype=compute_dtype,
+                                      length_multiple=length_multiple, strict=strict, topology=topology,
+                                      progress=progress))
+                meters[-1].profile(lengths)
+                return list(meters[-1].cost.probes.values())
+
+            configs, self.search = auto_configs(
+                model, measure, memory_budget_bytes=memory_budget_bytes, lengths=buckets, topology=topology,
+                micro_batch_tokens=micro_batch_tokens, length_multiple=length_multiple, zero1=zero1,
+                compute_dtype=compute_dtype, progress=progress)
+            logic = meters[0].cm.logic if meters else logic
+            del meters
         self.configs = tuple(c if isinstance(c, DistConfig) else DistConfig.parse(c) for c in configs)
         if not self.configs:
             raise ValueError("configs is empty: give at least one DistConfig, e.g. ['dp=4', 'tp=4,sp']")
