@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 
+from hotswitch.cli.common import HelpFormatter, add_json_argument
+
 __all__ = ["add_parser"]
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "configs", help="the Pareto front of DistConfigs (time vs memory) per sequence length, and the set "
+        "configs", formatter_class=HelpFormatter,
+        help="the Pareto front of DistConfigs (time vs memory) per sequence length, and the set "
         "to hot-switch between (no GPU needed)",
         description="Price every DistConfig (dp x tp x pp, sp) of --world-size / --devices devices at each "
         "length with the analytical cost model (FLOPs, memory traffic, collectives over the topology's links, "
@@ -18,12 +21,12 @@ def add_parser(subparsers) -> None:
         "models (hotswitch.models) are priced as the Trainer runs them (their dtype, pp = 1, CPU rates unless "
         "--gpu); cluster models (gpt3-175b, llama2-70b, ...) as Megatron runs them on H100 nodes.")
     p.add_argument("--model", default="gpt-small", help="a built-in model (gpt-tiny, gpt-small, ...) or a cluster "
-                   "model (gpt3-175b, llama2-70b, ...); default gpt-small")
+                   "model (gpt3-175b, llama2-70b, ...)")
     p.add_argument("--world-size", "--devices", dest="devices", type=int, default=4,
-                   help="devices in the job (default 4)")
+                   help="devices in the job")
     p.add_argument("--devices-per-node", type=int, default=None,
                    help="devices per node (default: all on one node for built-in models, 8 for cluster models)")
-    p.add_argument("--lengths", default="64,256,1024", help="comma-separated sequence lengths (default 64,256,1024)")
+    p.add_argument("--lengths", default="64,256,1024", help="comma-separated sequence lengths")
     p.add_argument("--tokens-per-length", type=int, default=None,
                    help="tokens of each length per step (default micro-batch tokens x devices)")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
@@ -32,9 +35,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--zero1", action="store_true", help="the base config shards Adam states over its dp ranks")
     p.add_argument("--all", action="store_true", help="list every config, not only the Pareto front")
     p.add_argument("--gpu", action="store_true", help="price a built-in model with H100 rates instead of CPU ones")
-    p.add_argument("--plot", default="configs.png", metavar="PATH", help="where to draw time vs memory "
-                   "(default configs.png; '' for none)")
-    p.add_argument("--json", default=None, metavar="PATH", help="also write every estimate as JSON")
+    p.add_argument("--plot", default="configs.png", metavar="PATH", help="where to draw time vs memory ('' for "
+                   "none)")
+    add_json_argument(p, None, "every estimate")
     p.set_defaults(run=run_configs)
 
 
@@ -77,15 +80,15 @@ def run_configs(args) -> int:
         result.plot(args.plot)
         print(f"wrote {args.plot}")
     if args.json:
-        import json
+        from hotswitch.progress import write_json
 
-        with open(args.json, "w") as f:
-            json.dump(dict(model=args.model, devices=args.devices, devices_per_node=per_node,
-                           chosen=[c.spec() for c in result.chosen], base=result.base,
-                           assignment={str(k): v for k, v in result.assignment.items()},
-                           expected_seconds=result.expected_seconds, estimates=result.rows(frontier_only=False)),
-                      f, indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, dict(model=args.model, devices=args.devices, devices_per_node=per_node,
+                                   chosen=[c.spec() for c in result.chosen], base=result.base,
+                                   assignment={str(k): v for k, v in result.assignment.items()},
+                                   expected_seconds=result.expected_seconds,
+                                   estimates=result.rows(frontier_only=False)))
+        if args.json != "-":
+            print(f"wrote {args.json}")
     print(f"searched {sum(len(e) for e in result.estimates.values())} (config, length) pairs and "
           f"{result.switch_plans} switch plans in {result.search_seconds:.2f} s; "
           f"{time.perf_counter() - t0:.2f} s in all")
