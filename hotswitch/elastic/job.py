@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hotswitch.distconfig import DistConfig, Topology
+from hotswitch.distconfig import DistConfig, Topology, parse_configs
 from hotswitch.elastic import checkpoint as ckpt
 from hotswitch.elastic.membership import LONG_TIMEOUT, ElasticError, GenerationRecord, Membership
 from hotswitch.switch.executor import execute_plan
@@ -137,7 +137,8 @@ class ElasticJob:
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         self.membership = membership
-        self.build_model, self.candidates, self.batch = build_model, candidates, batch
+        self.build_model, self.batch = build_model, batch
+        self.candidates = candidates if callable(candidates) else parse_configs(candidates)  # strings too
         self.trainer_options = dict(trainer_options or {})
         if self.trainer_options.get("zero1"):
             raise ValueError("elastic training moves whole optimizer states: zero1=True is not supported yet")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hotswitch.compiler.memory import estimate_peak_bytes
-from hotswitch.distconfig import DistConfig, Topology
+from hotswitch.distconfig import DistConfig, Topology, parse_configs
 from hotswitch.models import PackedCausalLMLoss
 from hotswitch.runtime.compiled_model import CompiledModel
 from hotswitch.runtime.compiled_model import compile as hs_compile
@@ -145,9 +145,7 @@ class Trainer:
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.Trainer needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
-        self.configs = tuple(c if isinstance(c, DistConfig) else DistConfig.parse(c) for c in configs)
-        if not self.configs:
-            raise ValueError("configs is empty: give at least one DistConfig, e.g. ['dp=4', 'tp=4,sp']")
+        self.configs = tuple(parse_configs(configs))  # DistConfigs or strings, "dp2tp2sp" or "dp=2,tp=2,sp"
         names = [c.name for c in self.configs]
         piped = [c.name for c in self.configs if c.pp > 1]
         if piped:
