@@ -2,7 +2,7 @@
 AdamW moments, data position) moves by the switch planner instead of a checkpoint + restart.
 
     python examples/elastic_training.py                       # 2 workers, 4 after step 2, one dies after step 4
-    python examples/elastic_training.py --scale 1:3 --kill 2 --steps 3
+    python examples/elastic_training.py --workers 4 --scale none --kill 1 --steps 2
 
 The launching process is the agent (hotswitch.elastic.run_elastic): it spawns the workers, sees one
 die at once (SIGKILL here, from the worker itself) and publishes who trains next; survivors keep
@@ -57,18 +57,23 @@ def worker(membership, args):
     return job.run(args.steps, planned)
 
 
+def _scale(text: str) -> tuple[int, int] | None:
+    return None if text == "none" else tuple(int(x) for x in text.split(":"))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="workers at the start (default: 2)")
-    parser.add_argument("--scale", type=lambda s: tuple(map(int, s.split(":"))), action="append", metavar="STEP:N",
-                        help="planned change to N workers after STEP steps, repeatable (default: 2:4)")
+    parser.add_argument("--scale", type=_scale, action="append", metavar="STEP:N",
+                        help="planned change to N workers after STEP steps, repeatable; 'none': no planned "
+                        "change (default: 2:4)")
     parser.add_argument("--kill", type=int, default=4, metavar="STEP", help="a worker SIGKILLs itself after "
                         "STEP steps, once; -1: none (default: 4)")
     parser.add_argument("--steps", type=int, default=6, help="optimizer steps (default: 6)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per global batch (default: 16)")
     parser.add_argument("--data", default=DATA, help="JSONL file of token ids (default: the shipped example)")
     args = parser.parse_args()
-    args.scale = args.scale or [(2, 4)]
+    args.scale = [s for s in args.scale or [(2, 4)] if s is not None]
     most = max([args.workers] + [n for _, n in args.scale])
     with tempfile.TemporaryDirectory() as args.checkpoint_dir:  # asynchronous DCP checkpoints, for lost slices
         result = run_elastic(worker, args.workers, args, min_size=2, max_size=most)

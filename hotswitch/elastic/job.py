@@ -212,10 +212,17 @@ class ElasticJob:
             self._save_checkpoint()
 
     def _on_phase(self, phase: str, step: int) -> None:
-        """Trainer hook: a store barrier before the step's collectives (so a worker that died while the
-        others compiled is noticed without a timeout), then the short timeout; the commit agreement
-        before the optimizer."""
-        if phase == "compiled":
+        """Trainer hook: store barriers before the step's first collective (so a worker that died
+        between steps is noticed without a timeout; that collective, the batch check, runs with the
+        short timeout, as gloo reports a dead peer at once only to its ring neighbours) and before
+        the step's compiled collectives (a worker that died while the others compiled), then the short
+        timeout; the long one while compiling and profiling; the commit agreement before the optimizer."""
+        if phase == "start":
+            self.membership.barrier(f"s{step}/start")
+            self.membership.set_timeout(self.step_timeout, keep=(self._checkpoint_group,))
+        elif phase == "checked":  # compiling and profiling next: ranks drift apart
+            self.membership.set_timeout(LONG_TIMEOUT, keep=(self._checkpoint_group,))
+        elif phase == "compiled":
             self.membership.barrier(f"s{step}/compiled")
             self.membership.set_timeout(self.step_timeout, keep=(self._checkpoint_group,))
         elif phase == "update":

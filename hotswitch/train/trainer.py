@@ -194,8 +194,10 @@ class Trainer:
         self.cost = CostModel(memory_budget_bytes)
         self.step_count = 0
         # Called on every rank as `on_phase(phase, step)` by an elastic driver (`hotswitch.elastic`):
-        # "compiled" when the step's graphs are compiled and its collectives begin; "update" just
-        # before the optimizer changes anything (raising there leaves the step-start state intact).
+        # "start" before the step's first collective (the check that every rank has the same batch)
+        # and "checked" after it; "compiled" when the step's graphs are compiled and its collectives
+        # begin; "update" just before the optimizer changes anything (raising there leaves the
+        # step-start state intact).
         self.on_phase: Callable[[str, int], None] | None = None
         self.cm.switch(self.base)
         self._init_optimizer({n: masters_fp32[n.removeprefix("model.")] for n in self.cm.logic.param_names})
@@ -203,7 +205,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------ training
     def step(self, global_batch) -> StepReport:
         sequences = D.validate_batch(global_batch, self.vocab_size)
+        self._phase("start")
         self._check_same_batch(sequences)
+        self._phase("checked")
         lengths = [s.numel() for s in sequences]
         buckets = D.make_buckets(lengths, self.bucket_bounds(lengths)) if self.pack else self._unpacked(lengths)
         demands = [BucketDemand(b.high, len(b.rows)) for b in buckets]
