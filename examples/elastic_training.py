@@ -2,7 +2,7 @@
 AdamW moments, data position) moves by the switch planner instead of a checkpoint + restart.
 
     python examples/elastic_training.py                       # 2 workers, 4 after step 2, one dies after step 4
-    python examples/elastic_training.py --workers 4 --scale none --kill 1 --steps 2
+    python examples/elastic_training.py --workers 4 --configs dp4 --scale none --kill 1 --steps 2
 
 The launching process is the agent (hotswitch.elastic.run_elastic): it spawns the workers, sees one
 die at once (SIGKILL here, from the worker itself) and publishes who trains next; survivors keep
@@ -51,7 +51,7 @@ def worker(membership, args):
     def on_step(report, replayed):  # on the job's rank 0
         print(report.line() + (" (replayed)" if replayed else ""), flush=True)
 
-    job = ElasticJob(membership, build_model, ["dp2", "tp2sp"], batch,
+    job = ElasticJob(membership, build_model, args.configs, batch,
                      trainer_options=dict(optimizer=dict(name="adamw", lr=1e-3), buckets=(32, 64, 128)),
                      checkpoint_dir=args.checkpoint_dir, checkpoint_every=2, on_step=on_step)
     return job.run(args.steps, planned)
@@ -64,6 +64,8 @@ def _scale(text: str) -> tuple[int, int] | None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2, help="workers at the start (default: 2)")
+    parser.add_argument("--configs", default="dp2,tp2sp", help="candidate configs for the starting workers, "
+                        "re-instantiated for every later count (default: dp2,tp2sp)")
     parser.add_argument("--scale", type=_scale, action="append", metavar="STEP:N",
                         help="planned change to N workers after STEP steps, repeatable; 'none': no planned "
                         "change (default: 2:4)")

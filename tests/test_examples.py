@@ -87,18 +87,18 @@ def test_train_mixed_lengths_on_the_shipped_jsonl():
 
 @pytest.mark.slow
 def test_elastic_training_survives_a_sigkill_on_four_workers():
-    """4 workers under dp4 and dp2tp2sp; the last SIGKILLs itself after step 1. The 3 survivors go on
-    under dp3 at once, the state moved from survivors, and finish the 2 steps. (w1 is no ring
-    neighbour of w3: gloo reports nothing to it, the start-of-step barrier does.) Scale-out and
-    redeployment: tests/test_elastic_world4.py."""
-    out = _run("examples/elastic_training.py", "--workers", "4", "--scale", "none", "--kill", "1", "--steps", "2",
-               timeout=900)
+    """4 workers under dp4; the last SIGKILLs itself after step 1. The 3 survivors go on under dp3 at
+    once, the state from survivors, and finish the 2 steps. (w1 is no ring neighbour of w3: gloo
+    reports nothing to it, the start-of-step barrier does.) One candidate config keeps the test
+    short (no profiling); scale-out, redeployment and restores from checkpoints:
+    tests/test_elastic_world4.py."""
+    out = _run("examples/elastic_training.py", "--workers", "4", "--configs", "dp4", "--scale", "none", "--kill", "1",
+               "--steps", "2", timeout=900)
     assert re.search(r"^\[w3\] SIGKILL to myself after step 1$", out, re.M), out
     (change,) = re.findall(r"^change (\d) \((\w+)\): (.+?) -> (.+?) workers after step (\d), state from (\w+), "
-                           r"([\d.]+) MiB moved in [\d.]+ s, training again after ([\d.]+) s$", out, re.M)
-    assert change[:6] == ("1", "failure", "dp2tp2sp on 4", "dp3 on 3", "1", "survivors"), out
-    assert float(change[6]) > 0  # w3's tp shards come from its dp replica
-    assert float(change[7]) < scaled(60), out  # noticed at once, not after a collective's timeout (10 min)
+                           r"[\d.]+ MiB moved in [\d.]+ s, training again after ([\d.]+) s$", out, re.M)
+    assert change[:6] == ("1", "failure", "dp4 on 4", "dp3 on 3", "1", "survivors"), out
+    assert float(change[6]) < scaled(60), out  # noticed at once, not after a collective's timeout (10 min)
     assert re.search(r"^2 steps on workers w0, w1, w2 under dp3; final loss \d+\.\d+$", out, re.M), out
     assert [int(s) for s in re.findall(r"^step (\d+) loss", out, re.M)] == [1, 2], out
 
