@@ -77,6 +77,7 @@ import importlib.machinery
 import os
 import pickle
 import random
+import re
 import sys
 import time
 import traceback
@@ -154,6 +155,16 @@ def scaled(seconds: float) -> float:
     """A test's wall-clock limit times HOTSWITCH_TEST_TIMEOUT_SCALE (default 1): limits exist to turn a
     hang into a failure, and a slow or busy machine raises them instead of failing."""
     return seconds * float(os.environ.get("HOTSWITCH_TEST_TIMEOUT_SCALE", "1"))
+
+
+def assert_no_repeated_warning(text: str) -> None:
+    """No warning or log line printed more than once in a command's output (each rank would print
+    its own copy: "[rank2]:W1123 03:35:01.175 29511 torch/...] message")."""
+    lines = [re.sub(r"^\[rank\d+\]:", "", ln) for ln in text.splitlines()]
+    lines = [re.sub(r"^[WIE]\d{4} [\d:.]+ \d+ ", "", ln).strip() for ln in lines]
+    warnings = [ln for ln in lines if re.search(r"warn|deprecat|falling back", ln, re.I)]
+    repeated = {ln: warnings.count(ln) for ln in set(warnings) if warnings.count(ln) > 1}
+    assert not repeated, repeated
 
 
 def run_checks(

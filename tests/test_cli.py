@@ -12,7 +12,7 @@ import hotswitch.cli as cli
 from hotswitch.cli import common, demo
 from hotswitch.distconfig import DistConfig
 from hotswitch.distributed.launch import LaunchError, launch
-from tests.distributed import scaled
+from tests.distributed import assert_no_repeated_warning, scaled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,16 +44,6 @@ def test_demo_end_to_end():
     assert re.search(r"^demo finished in [\d.]+ s \(", out, re.M), out
     assert "Traceback" not in proc.stderr, proc.stderr
     assert_no_repeated_warning(out + proc.stderr)
-
-
-def assert_no_repeated_warning(text: str) -> None:
-    """No warning or log line printed more than once per run (each rank would print its own copy:
-    "[rank2]:W1123 03:35:01.175 29511 torch/...] message")."""
-    lines = [re.sub(r"^\[rank\d+\]:|^[WIE]\d{4} [\d:.]+ \d+ ", "", ln) for ln in text.splitlines()]
-    lines = [re.sub(r"^[WIE]\d{4} [\d:.]+ \d+ ", "", ln).strip() for ln in lines]
-    warnings = [ln for ln in lines if re.search(r"warn|deprecat|falling back", ln, re.I)]
-    repeated = {ln: warnings.count(ln) for ln in set(warnings) if warnings.count(ln) > 1}
-    assert not repeated, repeated
 
 
 def test_parse_config():

@@ -12,7 +12,19 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import placement_types as tp
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-from hotswitch.distconfig import DistConfig, Layout, Mesh, Partial, Replicate, Shard, Topology, from_torch, to_torch
+from hotswitch.distconfig import (
+    GRAMMAR,
+    DistConfig,
+    Layout,
+    Mesh,
+    Partial,
+    Replicate,
+    Shard,
+    Topology,
+    from_torch,
+    parse_configs,
+    to_torch,
+)
 
 # ---------------------------------------------------------------- placements
 
@@ -356,3 +368,41 @@ def test_distconfig_errors():
 def test_distconfig_parse_errors(spec, phrase):
     with pytest.raises(ValueError, match=phrase):
         DistConfig.parse(spec)
+
+
+def test_parse_configs_takes_every_form_of_a_config_list():
+    """The one reader of a job's configs (hs.compile, Trainer, ElasticJob and every CLI --configs)."""
+    expected = [DistConfig("dp4", dp=4), DistConfig("dp2tp2", dp=2, tp=2), DistConfig("tp4sp", tp=4, sp=True)]
+    for configs in (
+        ["dp4", "dp2tp2", "tp4sp"],
+        ["dp=4", "dp=2,tp=2", "tp=4,sp"],
+        ("dp4", DistConfig("dp2tp2", dp=2, tp=2), "tp=4,sp=1"),
+        (c for c in ["dp4", "dp2tp2", "tp4sp"]),
+        "dp4,dp2tp2,tp4sp",
+        "dp=4;dp=2,tp=2;tp=4,sp",
+        " dp4 ; dp2tp2 ;tp4sp; ",
+    ):
+        assert parse_configs(configs) == expected, configs
+    assert parse_configs("dp=2,tp=2,sp") == [DistConfig("dp2tp2sp", dp=2, tp=2, sp=True)]  # one config's pairs
+    assert parse_configs(DistConfig("x", tp=2)) == [DistConfig("x", tp=2)]
+    assert parse_configs(["dp2tp2sp"]) == parse_configs(["dp=2,tp=2,sp"])
+
+
+@pytest.mark.parametrize(
+    "configs, phrase",
+    [
+        ([], "no configs given: pass at least one"),
+        ("", "no configs given"),
+        (" ; ", "no configs given"),
+        (["dp4", "dp=4"], r"repeat the name\(s\) \['dp4'\]: give each config once"),
+        (4, "configs must be a list of DistConfigs or config strings, got int"),
+        (["dp4", 2], "a DistConfig or a config string is needed, got int"),
+        (["dp4,tp4sp"], "'dp4' is a whole config; one string is one config"),
+        ("dp4;banana", "cannot read 'banana'"),
+    ],
+)
+def test_parse_configs_errors_list_the_accepted_forms(configs, phrase):
+    with pytest.raises(ValueError, match=phrase) as e:
+        parse_configs(configs)
+    if "repeat" not in phrase:  # one message, wherever a config is read: it lists the accepted forms
+        assert GRAMMAR in str(e.value)

@@ -259,6 +259,29 @@ def check_no_alltoall_fallback_line():
     return [r.getMessage() for r in records], abs(loss.item() - loss_ref.item()), err
 
 
+def check_configs_as_strings_at_every_entry_point():
+    """hs.compile and the Trainer read configs with the one parser (distconfig.parse_configs): a list
+    of strings in either spelling, or one string of several; a wrong one gets the one message that
+    lists the accepted forms."""
+    from hotswitch.distconfig import GRAMMAR
+
+    torch.manual_seed(0)
+    model = DictLoss()
+    ids = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(1))
+    cm = hs.compile(model, (ids, ids), configs="dp=2;tp=2")
+    names = [c.name for c in cm.configs]
+    messages = []
+    for bad in ("dp2;banana", ["dp2", 2], ["dp2,tp2"]):
+        for entry in (lambda c: hs.compile(model, (ids, ids), configs=c), lambda c: hs.Trainer(qwen2(), c)):
+            with pytest.raises(ValueError) as e:
+                entry(bad)
+            messages.append(str(e.value))
+    with pytest.raises(ValueError, match=r"repeat the name\(s\) \['dp2'\]"):
+        hs.Trainer(qwen2(), ["dp2", "dp=2"])
+    assert all(GRAMMAR in m for m in messages), messages
+    return names
+
+
 CHECKS = [
     check_raw_hf_model_with_keyword_inputs_and_string_configs,
     check_dict_and_object_outputs_positional_and_mixed_calls,
@@ -268,6 +291,7 @@ CHECKS = [
     check_untraceable_model_names_the_line_and_the_cause,
     check_unflattenable_input_names_the_type_and_registering_it_works,
     check_no_alltoall_fallback_line,
+    check_configs_as_strings_at_every_entry_point,
 ]
 results = dist_fixture(2, CHECKS)
 
@@ -311,3 +335,7 @@ def test_no_alltoall_fallback_line(results):
     for records, dloss, dgrad in results["check_no_alltoall_fallback_line"].raise_if_failed():
         assert records == [], records
         assert dloss <= 1e-5 and dgrad <= 1e-5, (dloss, dgrad)
+
+
+def test_configs_as_strings_at_every_entry_point(results):
+    assert results["check_configs_as_strings_at_every_entry_point"].raise_if_failed() == [["dp2", "tp2"]] * 2

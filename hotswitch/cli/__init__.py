@@ -35,9 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hotswitch", formatter_class=HelpFormatter,
                                      description="Compile a model once for several parallel layouts (DistConfigs) "
                                      "and hot-switch between them while training.",
-                                     epilog="'hotswitch COMMAND --help' describes a command. In Python: import "
-                                     "hotswitch as hs; hs.compile(model, example_inputs, ['dp4', 'tp4sp']); examples "
-                                     "to copy are in the repository's examples/ folder.")
+                                     epilog="'hotswitch COMMAND --help' describes a command. In Python: "
+                                     "hs.compile(model, example_inputs, ['dp4', 'tp4sp']); scripts to copy are in "
+                                     "the repository's examples/ folder, e.g. 'torchrun --nproc-per-node 4 "
+                                     "examples/switch_hf_model.py'.")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
     for command in (demo, train, bench, plan, configs):
         command.add_parser(subparsers)

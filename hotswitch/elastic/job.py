@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hotswitch.distconfig import DistConfig, Topology
+from hotswitch.distconfig import DistConfig, Topology, parse_configs
 from hotswitch.distributed.device import comm_tensor
 from hotswitch.elastic import checkpoint as ckpt
 from hotswitch.elastic.membership import LONG_TIMEOUT, ElasticError, GenerationRecord, Membership
@@ -138,7 +138,8 @@ class ElasticJob:
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         self.membership = membership
-        self.build_model, self.candidates, self.batch = build_model, candidates, batch
+        self.build_model, self.batch = build_model, batch
+        self.candidates = candidates if callable(candidates) else parse_configs(candidates)  # strings too
         self.trainer_options = dict(trainer_options or {})
         if self.trainer_options.get("zero1"):
             raise ValueError("elastic training moves whole optimizer states: zero1=True is not supported yet")
@@ -213,10 +214,17 @@ class ElasticJob:
             self._save_checkpoint()
 
     def _on_phase(self, phase: str, step: int) -> None:
-        """Trainer hook: a store barrier before the step's collectives (so a worker that died while the
-        others compiled is noticed without a timeout), then the short timeout; the commit agreement
-        before the optimizer."""
-        if phase == "compiled":
+        """Trainer hook: store barriers before the step's first collective (so a worker that died
+        between steps is noticed without a timeout; that collective, the batch check, runs with the
+        short timeout, as gloo reports a dead peer at once only to its ring neighbours) and before
+        the step's compiled collectives (a worker that died while the others compiled), then the short
+        timeout; the long one while compiling and profiling; the commit agreement before the optimizer."""
+        if phase == "start":
+            self.membership.barrier(f"s{step}/start")
+            self.membership.set_timeout(self.step_timeout, keep=(self._checkpoint_group,))
+        elif phase == "checked":  # compiling and profiling next: ranks drift apart
+            self.membership.set_timeout(LONG_TIMEOUT, keep=(self._checkpoint_group,))
+        elif phase == "compiled":
             self.membership.barrier(f"s{step}/compiled")
             self.membership.set_timeout(self.step_timeout, keep=(self._checkpoint_group,))
         elif phase == "update":

@@ -24,7 +24,7 @@ from hotswitch.compiler.signature import ModelCall
 from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
 from hotswitch.compiler.trace import LogicGraph, trace
-from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch
+from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device, synchronize
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
 from hotswitch.switch.executor import SwitchStats, execute_plan
@@ -70,12 +70,7 @@ class CompiledModel:
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU), on every rank")
-        configs = [DistConfig.parse(c) for c in configs]  # "dp2tp2sp" or "dp=2,tp=2,sp" as well as DistConfigs
-        if not configs:
-            raise ValueError("configs is empty: pass at least one DistConfig, e.g. [hs.DistConfig('dp4', dp=4)]")
-        names = [c.name for c in configs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"config names must be unique, got {names}")
+        configs = parse_configs(configs)  # DistConfigs, "dp2tp2sp" or "dp=2,tp=2,sp", or "dp4;tp4sp": one grammar
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         # where shards, gradients and switch buffers live: the process group's device (gloo: cpu,
         # nccl: this rank's GPU); see hotswitch.distributed.device

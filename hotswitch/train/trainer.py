@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hotswitch.compiler.memory import estimate_peak_bytes
-from hotswitch.distconfig import DistConfig, Topology
+from hotswitch.distconfig import DistConfig, Topology, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device, synchronize
 from hotswitch.kernels import cast
 from hotswitch.models import PackedCausalLMLoss
@@ -163,9 +163,7 @@ class Trainer:
                 compute_dtype=compute_dtype, progress=progress)
             logic = meters[0].cm.logic if meters else logic
             del meters
-        self.configs = tuple(c if isinstance(c, DistConfig) else DistConfig.parse(c) for c in configs)
-        if not self.configs:
-            raise ValueError("configs is empty: give at least one DistConfig, e.g. ['dp=4', 'tp=4,sp']")
+        self.configs = tuple(parse_configs(configs))  # DistConfigs or strings, "dp2tp2sp" or "dp=2,tp=2,sp"
         names = [c.name for c in self.configs]
         piped = [c.name for c in self.configs if c.pp > 1]
         if piped:
@@ -215,8 +213,10 @@ class Trainer:
         self.cost = CostModel(memory_budget_bytes)
         self.step_count = 0
         # Called on every rank as `on_phase(phase, step)` by an elastic driver (`hotswitch.elastic`):
-        # "compiled" when the step's graphs are compiled and its collectives begin; "update" just
-        # before the optimizer changes anything (raising there leaves the step-start state intact).
+        # "start" before the step's first collective (the check that every rank has the same batch)
+        # and "checked" after it; "compiled" when the step's graphs are compiled and its collectives
+        # begin; "update" just before the optimizer changes anything (raising there leaves the
+        # step-start state intact).
         self.on_phase: Callable[[str, int], None] | None = None
         self.cm.switch(self.base)
         self._init_optimizer({n: masters_fp32[n.removeprefix("model.")] for n in self.cm.logic.param_names})
@@ -224,7 +224,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------ training
     def step(self, global_batch) -> StepReport:
         sequences = D.validate_batch(global_batch, self.vocab_size)
+        self._phase("start")
         self._check_same_batch(sequences)
+        self._phase("checked")
         lengths = [s.numel() for s in sequences]
         buckets = D.make_buckets(lengths, self.bucket_bounds(lengths)) if self.pack else self._unpacked(lengths)
         demands = [BucketDemand(b.high, len(b.rows)) for b in buckets]
