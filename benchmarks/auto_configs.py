@@ -19,9 +19,8 @@ import sys
 
 
 def _worker(rank: int, opts, budget_fraction: float) -> dict:
-    import torch.distributed as dist
 
-    from hotswitch.train.loop import TrainingRun
+    from hotswitch.train.loop import TrainingRun, run_side_by_side
 
     say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
     hand = TrainingRun(opts, ["dp4", "tp4sp"], rank)
@@ -34,12 +33,7 @@ def _worker(rank: int, opts, budget_fraction: float) -> dict:
     auto = TrainingRun(opts, "auto", rank, budget=budget, bounds=hand.bounds)
     say(f"auto chose {[c.name for c in auto.trainer.configs]}: {dict(auto.trainer.search.assignment)}")
     runs = {"hand-written dp4 + tp4sp": hand, "auto": auto}
-    for step in range(opts.warmup_steps + opts.steps):
-        for label, run in runs.items():
-            if run.show:
-                print(f"{label}: ", end="", flush=True)
-            run.step(step)
-            dist.barrier()
+    run_side_by_side(runs, opts.warmup_steps + opts.steps)
     out = {label: run.result() for label, run in runs.items()}
     out["budget"] = budget
     out["auto_configs"] = [c.name for c in auto.trainer.configs]

@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict
 
 from hotswitch.progress import write_json
-from hotswitch.train.loop import TrainingRun, TrainOptions, summary_line
+from hotswitch.train.loop import TrainingRun, TrainOptions, run_side_by_side, summary_line
 
 __all__ = ["run"]
 
@@ -52,7 +52,6 @@ def run(opts: TrainOptions, budget_fraction: float, json_path: str) -> int:
 
 
 def _bench_worker(rank: int, opts: TrainOptions, budget_fraction: float) -> dict:
-    import torch.distributed as dist
 
     say = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None)
     hot = TrainingRun(opts, list(opts.configs), rank)
@@ -78,13 +77,7 @@ def _bench_worker(rank: int, opts: TrainOptions, budget_fraction: float) -> dict
     fitting = [c for c in hot.trainer.configs if all(r["fits"] for r in table if r["config"] == c.name)]
     statics = {c.name: TrainingRun(opts, [c], rank, budget=budget, bounds=hot.bounds) for c in fitting}
     runs = {"hot switching": hot, **{f"static {n}": r for n, r in statics.items()}}
-    # side by side: every run takes global batch k before any takes k + 1, so all see the same machine
-    for step in range(opts.warmup_steps + opts.steps):
-        for label, run in runs.items():
-            if run.show:
-                print(f"{label}: ", end="", flush=True)
-            run.step(step)
-            dist.barrier()
+    run_side_by_side(runs, opts.warmup_steps + opts.steps)
     result = dict(budget_bytes=budget, profile=table, hot=hot.result(),
                   static={n: r.result() for n, r in statics.items()})
     say(f"hot switching: {summary_line(result['hot'])}")

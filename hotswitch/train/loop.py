@@ -7,7 +7,8 @@ from dataclasses import asdict, dataclass
 
 from hotswitch.progress import Progress
 
-__all__ = ["HF_MODELS", "TrainOptions", "TrainingRun", "build_model", "load_dataset", "summary_line"]
+__all__ = ["HF_MODELS", "TrainOptions", "TrainingRun", "build_model", "load_dataset", "run_side_by_side",
+           "summary_line"]
 
 HF_MODELS = {"llama-tiny": "llama"}  # Hugging Face models built from a small config, random weights
 
@@ -143,3 +144,16 @@ def _report_dict(report) -> dict:
     return d
 
 
+
+
+def run_side_by_side(runs: dict[str, TrainingRun], steps: int) -> None:
+    """Step every run through global batches 0..steps-1, all runs taking batch k before any takes
+    k + 1, so that benchmarks compare them on the same machine state."""
+    import torch.distributed as dist
+
+    for step in range(steps):
+        for label, run in runs.items():
+            if run.show:
+                print(f"{label}: ", end="", flush=True)
+            run.step(step)
+            dist.barrier()
