@@ -8,9 +8,9 @@ multi-process tests check), weighted as `Trainer.step` weights it (`data.weighte
 """
 import copy
 
-import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,7 +26,6 @@ def _gpt():
 
 
 def _llama():
-    transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

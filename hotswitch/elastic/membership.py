@@ -277,6 +277,7 @@ class Membership:
         self.job_members: tuple[str, ...] = ()  # the workers training now (rank order)
         self.finished = False
         self._pg_name = ""
+        self._watch_store = None  # the peer watch's own store client, made once (see watch_peers)
 
     # -- generations
     @property
@@ -333,9 +334,10 @@ class Membership:
         if self.backend != "nccl":
             yield
             return
-        store = self.store
-        if isinstance(store, dist.TCPStore):  # a client of its own: one socket must not serve two threads
-            store = dist.TCPStore(store.host, store.port, is_master=False, timeout=LONG_TIMEOUT)
+        if self._watch_store is None:  # a client of its own: one socket must not serve two threads
+            self._watch_store = self.store if not isinstance(self.store, dist.TCPStore) else dist.TCPStore(
+                self.store.host, self.store.port, is_master=False, timeout=LONG_TIMEOUT)
+        store = self._watch_store
         key = f"elastic/gen/{self.generation + 1}"
         stop = threading.Event()
 
