@@ -170,3 +170,24 @@ def test_launch_reraises_a_ranks_traceback():
         launch(_fails_on_rank1, 2, "boom", timeout=scaled(300))
     assert info.value.rank == 1
     assert "rank 1 failed" in str(info.value) and "ValueError: boom sum=3.0 world=2 omp=1" in str(info.value)
+
+
+def _prints_lines(rank: int, count: int) -> None:
+    import torch.distributed as dist
+
+    dist.barrier()  # both ranks print at the same time
+    for i in range(count):
+        print(f"rank {rank} line {i} " + "x" * 80)
+
+
+def test_ranks_print_whole_lines_under_pythonunbuffered():
+    """CI runners often set PYTHONUNBUFFERED: `print` then writes a line and its newline separately,
+    and the other rank's line landed between them (a CI failure of the elastic example)."""
+    code = "from hotswitch.distributed.launch import launch; from tests.test_cli import _prints_lines; " \
+           "launch(_prints_lines, 2, 2000)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1"), timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert sorted(lines) == sorted(f"rank {r} line {i} " + "x" * 80 for r in range(2) for i in range(2000)), \
+        [line for line in lines if not re.fullmatch(r"rank \d line \d+ x{80}", line)][:5]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import io
 import math
 import multiprocessing.util
 import os
@@ -173,8 +174,26 @@ def _collect(procs, readers, timeout):
     return results[0]
 
 
+def write_whole_lines() -> None:
+    """Workers share their launcher's stdout and stderr. Under PYTHONUNBUFFERED (which many CI runners
+    set) `print` writes a line and its newline in two syscalls, and another worker's line lands between
+    them. A line-buffered writer over a buffer hands each line over in one write instead (atomic on a
+    pipe below PIPE_BUF)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):
+            continue  # replaced by something without a file: leave it alone
+        stream.flush()
+        raw = io.FileIO(fd, "w", closefd=False)
+        setattr(sys, name, io.TextIOWrapper(io.BufferedWriter(raw), encoding=stream.encoding,
+                                            errors=stream.errors, line_buffering=True))
+
+
 def _worker(fn, args, rank, world_size, port, backend, timeout, results) -> None:
     ok, payload, when = False, None, (False, 0.0)
+    write_whole_lines()
     try:
         torch.set_num_threads(1)
         pg_timeout = datetime.timedelta(seconds=timeout) if timeout else None

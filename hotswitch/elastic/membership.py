@@ -40,7 +40,7 @@ import torch.multiprocessing as mp
 
 from hotswitch.distributed import _c10d
 from hotswitch.distributed.device import default_backend
-from hotswitch.distributed.launch import patched_environ
+from hotswitch.distributed.launch import patched_environ, write_whole_lines
 
 __all__ = ["ElasticError", "GenerationRecord", "Membership", "MembershipChanged", "run_elastic"]
 
@@ -244,6 +244,7 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, min_size: i
 def _worker_main(fn, args, wid: str, port: int, results, min_size: int, max_size: int) -> None:
     status, payload = "error", None
     membership = None
+    write_whole_lines()
     try:
         torch.set_num_threads(1)
         store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, is_master=False,
