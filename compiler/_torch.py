@@ -8,8 +8,8 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["FakeTensorMode", "OpOverload", "core_aten_decompositions", "detect_fake_mode", "is_mutable", "op_schema",
-           "pytree"]
+__all__ = ["FakeTensorMode", "OpOverload", "codegen", "core_aten_decompositions", "detect_fake_mode", "is_mutable",
+           "op_schema", "pytree", "symbolic_fake_mode", "symbols_of"]
 
 OpOverload = torch._ops.OpOverload
 
@@ -19,6 +19,54 @@ def op_schema(target):
     return target._schema
 
 
+def codegen(graph, value=None):
+    """How `graph` writes its Python code: the pytree flattening of its inputs and outputs for a
+    make_fx graph. With `value`, set it (a graph rebuilt node by node)."""
+    if value is not None:
+        graph._codegen = value
+    return graph._codegen
+
+
 def is_mutable(target) -> bool:
     """Does the op write into one of its inputs?"""
     return isinstance(target, OpOverload) and target._schema.is_mutable
+
+
+def symbols_of(values) -> dict:
+    """The size symbols the SymInts among `values` (fake tensors' sizes and strides, SymInts) are
+    made of: symbol -> (example value, lower bound, upper bound or None), from their ShapeEnv."""
+    out = {}
+    for v in values:
+        node = getattr(v, "node", None)
+        if node is None or not hasattr(node, "shape_env"):
+            continue
+        env = node.shape_env
+        for s in node.expr.free_symbols:
+            if s not in out:
+                r = env.var_to_range.get(s)
+                upper = None if r is None or str(r.upper) in ("int_oo", "oo") else int(r.upper)
+                out[s] = (int(env.backed_var_to_val[s]), int(r.lower) if r is not None else 0, upper)
+    return out
+
+
+def symbolic_fake_mode(symbols: dict):
+    """A FakeTensorMode over a fresh ShapeEnv that knows `symbols` (as `symbols_of` returns them, by
+    their own sympy symbols) and a function turning a sympy expression over them into a SymInt."""
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.utils._sympy.numbers import int_oo
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    env = ShapeEnv()
+    for s, (hint, lower, upper) in symbols.items():
+        env.backed_var_to_val[s] = sympy.Integer(hint)
+        env.var_to_range[s] = ValueRanges(lower, int_oo if upper is None else upper)
+    hints = {s: hint for s, (hint, _, _) in symbols.items()}
+
+    def symint(expr):
+        expr = sympy.sympify(expr)
+        if expr.is_number:
+            return int(expr)
+        return env.create_symintnode(expr, hint=int(expr.subs(hints)))
+
+    return FakeTensorMode(shape_env=env), symint

@@ -98,6 +98,9 @@ class DecisionCache:
         except OSError as e:
             self._report(f"cannot write {path} ({e}); compiling goes on without caching")
 
+    def failed(self, key: str) -> None:
+        """The search for `key` raised: nothing to store (ranks sharing a search are told so)."""
+
     def _report(self, message: str) -> None:
         if not self._warned:
             warnings.warn(f"hotswitch compile cache: {message}", stacklevel=3)

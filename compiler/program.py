@@ -157,8 +157,14 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                         [(tuple(b.shape), b.dtype) for b in buffers], list(input_dtypes), ndim)
         decided = cache.get(key)
     t_propagate = time.perf_counter()
-    sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None, seq_symbol=seq_sym,
-                               pinned_nodes=param_views(graph, n_p), strict=strict, memo=memo, decided=decided)
+    try:
+        sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None,
+                                   seq_symbol=seq_sym, pinned_nodes=param_views(graph, n_p), strict=strict,
+                                   memo=memo, decided=decided)
+    except BaseException:
+        if key is not None and decided is None:
+            cache.failed(key)
+        raise
     propagate_seconds = time.perf_counter() - t_propagate
     if key is not None and decided is None:
         cache.put(key, sharding.placements())

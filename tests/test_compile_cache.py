@@ -61,3 +61,37 @@ def test_environment_chooses_the_directory_or_turns_it_off(tmp_path, monkeypatch
     monkeypatch.setenv("HOTSWITCH_CACHE", "0")
     assert default_cache() is None
     assert os.environ["HOTSWITCH_CACHE"] == "0"
+
+
+def test_one_rank_searches_and_the_others_wait_for_its_decisions(tmp_path):
+    """`hotswitch.runtime.shared` on a real c10d store, a thread per rank: the first rank to ask
+    searches and publishes, a second waits for it; when the search raises, the waiting rank is told
+    and searches itself (it raises the same error there), never waits forever."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from hotswitch.runtime.shared import JobOnce, SharedDecisions
+
+    store = dist.HashStore()
+    wait = datetime.timedelta(seconds=600)
+    first = SharedDecisions(None, JobOnce(store, wait))
+    second = SharedDecisions(None, JobOnce(store, wait))
+    second.once.scope = first.once.scope  # two ranks' copies of one compiled model
+    got = {}
+    assert first.get("k1") is None  # ours to search
+    waiter = threading.Thread(target=lambda: got.update(k1=second.get("k1")))
+    waiter.start()
+    first.put("k1", DECISIONS)
+    waiter.join()
+    assert got["k1"] == DECISIONS and (first.once.computed, second.once.received) == (1, 1)
+
+    assert first.get("k2") is None
+    waiter = threading.Thread(target=lambda: got.update(k2=second.get("k2")))
+    waiter.start()
+    first.failed("k2")
+    waiter.join()
+    assert got["k2"] is None and second.once.received == 1  # searches for itself
+
+    other_model = SharedDecisions(None, JobOnce(store, wait))  # another scope: decides on its own
+    assert other_model.get("k1") is None and other_model.once.computed == 1

@@ -107,7 +107,7 @@ def check_a_warm_cache_replays_decisions():
         gm = cm.exec_graph("tp2sp")
         program = next(iter(cm._state("tp2sp").programs.values()))
         loss = cm.forward_backward(*cm.shard_inputs(*inputs))
-        out.append(dict(replayed=program.replayed, loss=float(loss), cache=(cm._cache.hits, cm._cache.misses),
+        out.append(dict(replayed=program.replayed, loss=float(loss), cache=(cm._cache.disk.hits, cm._cache.disk.misses),
                         collectives=[str(n.target) for n in collectives(gm)]))
     return out
 
@@ -156,7 +156,11 @@ def test_op_without_rule_runs_replicated_when_not_strict(results):
 
 
 def test_a_warm_cache_replays_decisions(results):
-    for cold, warm in results["check_a_warm_cache_replays_decisions"].raise_if_failed():
-        assert cold["replayed"] == 0 and cold["cache"] == (0, 1)  # searched, then stored
-        assert warm["replayed"] > 100 and warm["cache"] == (1, 0)  # found and replayed
+    ranks = results["check_a_warm_cache_replays_decisions"].raise_if_failed()
+    (searcher,) = [cold for cold, _ in ranks if cold["replayed"] == 0]  # one rank searched, for both
+    assert searcher["cache"] == (0, 1)  # not on disk, then stored
+    for cold, warm in ranks:
+        if cold is not searcher:  # it waited for the searcher's decisions, or (a late rank) found them on disk
+            assert cold["replayed"] > 100 and cold["cache"] in ((0, 1), (1, 0)), cold
+        assert warm["replayed"] > 100 and warm["cache"] == (1, 0)  # found and replayed (each rank has its own disk)
         assert warm["collectives"] == cold["collectives"] and warm["loss"] == cold["loss"]

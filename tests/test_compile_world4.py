@@ -124,9 +124,12 @@ def test_wrong_device_count_names_problem_and_fix(results):
 
 
 def test_a_new_length_replays_decisions_and_equals_a_fresh_lowering(results):
-    for out in results["check_replayed_decisions_equal_a_fresh_lowering"].raise_if_failed():
+    ranks = results["check_replayed_decisions_equal_a_fresh_lowering"].raise_if_failed()
+    # the fresh lowering searched on one rank; the others replayed what it found (hotswitch.runtime.shared)
+    assert sum(out["fresh"]["replayed"] == 0 for out in ranks) == 1
+    for out in ranks:
         replayed, fresh = out["replayed"], out["fresh"]
-        assert replayed["replayed"] > 100 and fresh["replayed"] == 0  # most ops replayed, none searched anew
+        assert replayed["replayed"] > 100  # most ops replayed, none searched anew
         assert replayed["placements"] == fresh["placements"]
         assert replayed["collectives"] == fresh["collectives"] and fresh["collectives"]
         assert replayed["loss"] == fresh["loss"]

@@ -107,3 +107,35 @@ def test_hf_internal_loss_keeps_batch_and_sequence_dynamic():
         shapes = [n.meta["val"].shape for n in graph.nodes if n.op == "placeholder"][-2:]
         assert all(isinstance(s, torch.SymInt) for shape in shapes for s in shape), shapes
     assert lg.call.tensor_names == ("input_ids", "labels") and lg.split_loss
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2", "ours"])
+def test_a_loaded_logic_graph_is_the_traced_one(which, request):
+    """One rank traces, the others load (hotswitch.runtime.shared): the loaded graphs have the same
+    code (the decision cache's key), node metadata, symbolic shapes and roles, and compute the same
+    loss and gradients."""
+    from hotswitch.compiler.logic_io import dumps_logic, loads_logic
+
+    lg, roles = request.getfixturevalue(which)
+    loaded = loads_logic(dumps_logic(lg))
+    for a, b in ((lg.forward, loaded.forward), (lg.joint, loaded.joint)):
+        assert a.graph.python_code("self").src == b.graph.python_code("self").src
+        for x, y in zip(a.graph.nodes, b.graph.nodes, strict=True):
+            described = [(n.name, n.target, n.meta.get("nn_module_stack"), n.meta.get("stack_trace")) for n in (x, y)]
+            assert described[0] == described[1]
+            vx, vy = x.meta.get("val"), y.meta.get("val")
+            assert type(vx) is type(vy) and repr(vx) == repr(vy), (x.name, vx, vy)
+            if isinstance(vx, torch.Tensor):
+                assert (str(vx.stride()), vx.dtype, vx.requires_grad) == (str(vy.stride()), vy.dtype, vy.requires_grad)
+    assert loaded.seq_symbol == lg.seq_symbol and loaded.param_names == lg.param_names
+    assert repr(loaded.call) == repr(lg.call) and loaded.aliases == lg.aliases and loaded.split_loss == lg.split_loss
+    assert infer_tp_roles(loaded.forward.graph, loaded.param_names, len(loaded.buffer_names)) == roles
+
+    torch.manual_seed(0)
+    params = [torch.randn(lg.param_shapes[n], dtype=lg.param_dtypes[n]) for n in lg.param_names]
+    placeholders = [n for n in lg.joint.graph.nodes if n.op == "placeholder"]
+    n_p, n_b = len(params), len(lg.buffer_names)
+    buffers = [torch.rand(tuple(n.meta["val"].shape)) for n in placeholders[n_p:n_p + n_b]]
+    ids = torch.randint(0, 1001, (2, 9))
+    expected, got = lg.joint(params, buffers, [ids, ids]), loaded.joint(params, buffers, [ids, ids])
+    assert len(expected) == len(got) and all(torch.equal(e, g) for e, g in zip(expected, got))

@@ -12,13 +12,21 @@ import datetime
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["abort_all_groups", "init_fake_process_group", "process_groups", "set_timeout"]
+__all__ = ["abort_all_groups", "default_store", "init_fake_process_group", "process_groups", "set_timeout"]
 
 
 def abort_all_groups() -> None:
     """Abort and forget every process group of this process, so init_process_group can run again."""
     if dist.is_initialized():
         c10d._abort_process_group()
+
+
+def default_store():
+    """The key-value store the default process group was formed on (None without one): ranks use it
+    to hand each other small results without a collective."""
+    if not dist.is_initialized():
+        return None
+    return c10d._get_default_store()
 
 
 def process_groups() -> list:

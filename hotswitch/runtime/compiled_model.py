@@ -23,10 +23,11 @@ from hotswitch.compiler.program import StageMesh, StageProgram, lower_program
 from hotswitch.compiler.signature import ModelCall
 from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
-from hotswitch.compiler.trace import LogicGraph, trace
+from hotswitch.compiler.trace import LogicGraph
 from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device, synchronize
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
+from hotswitch.runtime.shared import JobOnce, SharedDecisions, trace_once
 from hotswitch.switch.executor import SwitchStats, execute_plan
 from hotswitch.switch.order import OrderPlan, plan_order
 from hotswitch.switch.planner import PlanCache, SwitchPlan, TensorMove
@@ -90,7 +91,8 @@ class CompiledModel:
         # `logic`: this model's LogicGraph from an earlier compile (elastic changes re-compile, not re-trace)
         if logic is None:
             report("tracing the model (torch.export, core ATen, joint forward + backward graph)")
-        self.logic: LogicGraph = logic if logic is not None else trace(model, example_inputs)
+        once = JobOnce()  # what one rank traces or searches, the others load
+        self.logic: LogicGraph = logic if logic is not None else trace_once(model, example_inputs, once)
         self.call: ModelCall = self.logic.call or ModelCall.of(model, example_inputs)
         self._example_inputs = self.call.flatten_example(example_inputs)  # its tensors, in the graphs' order
         self._warned_unsharded = False
@@ -117,8 +119,12 @@ class CompiledModel:
         self.grad_dtype: torch.dtype | None = None  # gradient accumulators' dtype; None: the parameter's
         self._param_states: dict[str, dict[str, torch.Tensor]] = {}
         self._global_shapes: dict[tuple, tuple] = {}
-        self._propagation_memo: dict = {}  # DTensor propagation results shared by this model's lowerings
-        self._cache = default_cache()  # sharding decisions shared with other processes (HOTSWITCH_CACHE=0: off)
+        # config -> DTensor propagation results shared by that config's lowerings. Not across configs:
+        # two configs' meshes can compare equal (same ranks) yet own different process groups, and a
+        # result carries its mesh, so the collectives it leads to would name the other config's group
+        self._propagation_memo: dict[str, dict] = {}
+        # sharding decisions searched by one rank for all, and kept on disk for later processes (HOTSWITCH_CACHE=0: off)
+        self._cache = SharedDecisions(default_cache(), once)
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
             self.exec_graph(c.name, shapes)
@@ -659,7 +665,8 @@ class CompiledModel:
             self._report(f"lowering {what}")
             program = lower_program(self.logic, stage, st.where, self._buffers, key[0],
                                     [x.dtype for x in self._example_inputs], train=train, reduce=reduce,
-                                    strict=self.strict, memo=self._propagation_memo, decided=st.decisions.get(graph),
+                                    strict=self.strict, memo=self._propagation_memo.setdefault(st.config.name, {}),
+                                    decided=st.decisions.get(graph),
                                     cache=self._cache)
             st.decisions.setdefault(graph, program.decisions)
             how = f"{program.replayed} placements replayed" if program.replayed else "placements searched"

@@ -1,0 +1,169 @@
+"""A LogicGraph as bytes, so that one rank traces and the others load (tracing is most of a compile).
+
+fx's own pickling of a GraphModule keeps only its Python code and traces it again, which renames
+nodes, changes the graph and drops every node's metadata. Here a graph is written node by node:
+name, op, target (an aten overload by its qualified name), arguments, the metadata the compiler reads
+(module paths, source lines, phases) and `meta["val"]` as what it describes: a fake tensor's dtype,
+device and symbolic sizes and strides, a SymInt's expression. Loading rebuilds the values in a fresh
+ShapeEnv that knows the same size symbols (example values and ranges), so a loaded graph lowers to
+the very ExecGraphs the traced one does, and its code (the decision cache's key) is the same. Sizes
+that were one SymInt object stay one object: make_fx binds a size to the first tensor it saw it on,
+so a pipeline stage's joint graph (traced again from these values) reads its sizes where the traced
+one does.
+"""
+from __future__ import annotations
+
+import pickle
+import warnings
+from dataclasses import dataclass, fields
+
+import torch
+import torch.fx as fx
+
+from ._torch import OpOverload, codegen, pytree, symbolic_fake_mode, symbols_of
+from .trace import LogicGraph
+
+__all__ = ["dumps_logic", "loads_logic"]
+
+_VERSION = 1
+_SKIPPED_META = ("val", "tensor_meta", "from_node", "original_aten")  # rebuilt, re-derivable or process-local
+
+
+@dataclass(frozen=True)
+class _Ref:
+    name: str  # an argument that is another node
+
+
+@dataclass(frozen=True)
+class _Op:
+    qualified: str  # "aten::add.Tensor"
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    sizes: tuple
+    strides: tuple
+    offset: object
+    dtype: torch.dtype
+    device: str
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class _SymInt:
+    expr: object
+    ident: int  # equal for sizes that were one SymInt object
+
+
+def _op(target) -> OpOverload:
+    namespace, rest = target.qualified.split("::")
+    packet, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+
+
+class _Encoder:
+    def __init__(self):
+        self.idents: dict[int, int] = {}  # id(SymNode) -> ident
+        self.alive: list = []  # the SymNodes numbered, kept alive while encoding so ids stay unique
+
+    def size(self, size):
+        if not isinstance(size, torch.SymInt):
+            return int(size)
+        node = size.node
+        if id(node) not in self.idents:
+            self.idents[id(node)] = len(self.idents)
+            self.alive.append(node)
+        return _SymInt(node.expr, self.idents[id(node)])
+
+    def val(self, v):
+        if isinstance(v, torch.Tensor):
+            return _Tensor(tuple(map(self.size, v.shape)), tuple(map(self.size, v.stride())),
+                           self.size(v.storage_offset()), v.dtype, str(v.device), v.requires_grad)
+        if isinstance(v, torch.SymInt):
+            return self.size(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(self.val(x) for x in v)
+        if v is None or isinstance(v, (bool, int, float)):
+            return v
+        raise TypeError(f"cannot write a node value of type {type(v).__name__}")
+
+
+def _sym_values(v):
+    if isinstance(v, torch.Tensor):
+        return [*v.shape, *v.stride(), v.storage_offset()]
+    if isinstance(v, torch.SymInt):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [s for x in v for s in _sym_values(x)]
+    return []
+
+
+def _encode_graph(gm: fx.GraphModule, encoder: _Encoder) -> tuple[list, dict, object]:
+    nodes, attrs = [], {}
+    for n in gm.graph.nodes:
+        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
+        target = _Op(n.target.name()) if isinstance(n.target, OpOverload) else n.target
+        if n.op == "get_attr":
+            attrs[n.target] = getattr(gm, n.target)
+        meta = {k: v for k, v in n.meta.items() if k not in _SKIPPED_META}
+        nodes.append((n.name, n.op, target, args, kwargs, meta, encoder.val(n.meta.get("val"))))
+    return nodes, attrs, codegen(gm.graph)
+
+
+def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: dict) -> fx.GraphModule:
+    graph, by_name = fx.Graph(), {}
+    codegen(graph, code)
+    root = torch.nn.Module()
+    for name, value in attrs.items():
+        setattr(root, name, value)
+
+    def size(v):
+        if not isinstance(v, _SymInt):
+            return v
+        if v.ident not in symints:
+            symints[v.ident] = symint(v.expr)
+        return symints[v.ident]
+
+    def value(v):
+        if isinstance(v, _Tensor):
+            sizes, strides = [size(s) for s in v.sizes], [size(s) for s in v.strides]
+            with fake_mode:
+                t = torch.empty_strided(sizes, strides, dtype=v.dtype, device=v.device)
+            return t.requires_grad_(v.requires_grad) if v.dtype.is_floating_point else t
+        if isinstance(v, _SymInt):
+            return size(v)
+        if isinstance(v, (list, tuple)):
+            return type(v)(value(x) for x in v)
+        return v
+
+    for name, op, target, args, kwargs, meta, val in nodes:
+        args, kwargs = pytree.tree_map(lambda a: by_name[a.name] if isinstance(a, _Ref) else a, (args, kwargs),
+                                       is_leaf=lambda a: isinstance(a, _Ref))
+        node = graph.create_node(op, _op(target) if isinstance(target, _Op) else target, args, kwargs, name=name)
+        node.meta.update(meta)
+        if val is not None:
+            node.meta["val"] = value(val)
+        by_name[name] = node
+    return fx.GraphModule(root, graph)
+
+
+def dumps_logic(logic: LogicGraph) -> bytes:
+    """`logic` as bytes for `loads_logic` in another process of the same torch and hotswitch."""
+    graphs = {"forward": logic.forward, "joint": logic.joint}
+    symbols = symbols_of(s for gm in graphs.values() for n in gm.graph.nodes for s in _sym_values(n.meta.get("val")))
+    rest = {f.name: getattr(logic, f.name) for f in fields(logic) if f.name not in graphs}
+    encoder = _Encoder()  # one numbering for both graphs: they share sizes
+    encoded = {k: _encode_graph(gm, encoder) for k, gm in graphs.items()}
+    return pickle.dumps((_VERSION, symbols, encoded, rest), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads_logic(data: bytes) -> LogicGraph:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+        version, symbols, encoded, rest = pickle.loads(data)
+    if version != _VERSION:
+        raise ValueError(f"a LogicGraph written by another version of hotswitch ({version}, not {_VERSION})")
+    fake_mode, symint = symbolic_fake_mode(symbols)
+    symints: dict[int, torch.SymInt] = {}
+    graphs = {k: _decode_graph(*parts, fake_mode, symint, symints) for k, parts in encoded.items()}
+    return LogicGraph(**graphs, **rest)
