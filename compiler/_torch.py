@@ -32,19 +32,17 @@ def is_mutable(target) -> bool:
     return isinstance(target, OpOverload) and target._schema.is_mutable
 
 
-def symbols_of(values) -> dict:
-    """The size symbols the SymInts among `values` (fake tensors' sizes and strides, SymInts) are
-    made of: symbol -> (example value, lower bound, upper bound or None), from their ShapeEnv."""
+def symbols_of(sym_nodes) -> dict:
+    """The size symbols that SymInts' nodes (`SymInt.node`) are made of: symbol -> (example value,
+    lower bound, upper bound or None), from their ShapeEnv."""
     out = {}
-    for v in values:
-        node = getattr(v, "node", None)
-        if node is None or not hasattr(node, "shape_env"):
-            continue
+    for node in sym_nodes:
         env = node.shape_env
         for s in node.expr.free_symbols:
             if s not in out:
                 r = env.var_to_range.get(s)
-                upper = None if r is None or str(r.upper) in ("int_oo", "oo") else int(r.upper)
+                unbounded = r is None or str(r.upper) in ("int_oo", "oo")  # torch's or sympy's infinity
+                upper = None if unbounded else int(r.upper)
                 out[s] = (int(env.backed_var_to_val[s]), int(r.lower) if r is not None else 0, upper)
     return out
 

@@ -64,7 +64,7 @@ def _op(target) -> OpOverload:
 class _Encoder:
     def __init__(self):
         self.idents: dict[int, int] = {}  # id(SymNode) -> ident
-        self.alive: list = []  # the SymNodes numbered, kept alive while encoding so ids stay unique
+        self.alive: list = []  # the SymNodes numbered (kept alive while encoding, so ids stay unique)
 
     def size(self, size):
         if not isinstance(size, torch.SymInt):
@@ -86,16 +86,6 @@ class _Encoder:
         if v is None or isinstance(v, (bool, int, float)):
             return v
         raise TypeError(f"cannot write a node value of type {type(v).__name__}")
-
-
-def _sym_values(v):
-    if isinstance(v, torch.Tensor):
-        return [*v.shape, *v.stride(), v.storage_offset()]
-    if isinstance(v, torch.SymInt):
-        return [v]
-    if isinstance(v, (list, tuple)):
-        return [s for x in v for s in _sym_values(x)]
-    return []
 
 
 def _encode_graph(gm: fx.GraphModule, encoder: _Encoder) -> tuple[list, dict, object]:
@@ -150,10 +140,10 @@ def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: di
 def dumps_logic(logic: LogicGraph) -> bytes:
     """`logic` as bytes for `loads_logic` in another process of the same torch and hotswitch."""
     graphs = {"forward": logic.forward, "joint": logic.joint}
-    symbols = symbols_of(s for gm in graphs.values() for n in gm.graph.nodes for s in _sym_values(n.meta.get("val")))
     rest = {f.name: getattr(logic, f.name) for f in fields(logic) if f.name not in graphs}
     encoder = _Encoder()  # one numbering for both graphs: they share sizes
     encoded = {k: _encode_graph(gm, encoder) for k, gm in graphs.items()}
+    symbols = symbols_of(encoder.alive)  # every size written is made of these
     return pickle.dumps((_VERSION, symbols, encoded, rest), protocol=pickle.HIGHEST_PROTOCOL)
 
 
