@@ -164,15 +164,20 @@ def _matmul_uses(graph: fx.Graph, params: dict[fx.Node, str]) -> list[MatmulUse]
 
 
 def _origins(start: fx.Node, mm_param: dict[fx.Node, str], param_free: set[fx.Node], params) -> set[str]:
-    """Where an activation comes from: names of matmul weights, or 'barrier' for the residual stream."""
+    """Where an activation comes from: names of matmul weights, or 'barrier' for the residual stream.
+    Integer and boolean values are not followed: a document mask built from the input positions
+    reaches attention's output through `where`, yet the out-projection still closes the block."""
     out, seen, stack = set(), set(), [start]
     while stack:
         n = stack.pop()
         if not isinstance(n, fx.Node) or n in seen or n in param_free:
             continue
         seen.add(n)
+        val = n.meta.get("val")
         if n in mm_param:
             out.add(mm_param[n])
+        elif isinstance(val, torch.Tensor) and not (val.dtype.is_floating_point or val.dtype.is_complex):
+            continue  # ids, positions, masks: they select or mask the activations, they are not one
         elif n.op == "placeholder" or n.target in _BARRIER_OPS or n in params:
             out.add("barrier")
         elif n.target in (aten.mean.dim, aten.sum.dim_IntList, aten.var_mean.correction, aten.var.correction) \

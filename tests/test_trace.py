@@ -48,6 +48,20 @@ def test_llama_megatron_roles(llama):
     assert _role_of(lg, roles, "layers.0.input_layernorm.weight")[0] == "replicate"
 
 
+def test_llama_on_packed_rows_keeps_the_out_projection_row_parallel():
+    """Packed rows (what the Trainer compiles): the document mask, built from the input positions,
+    reaches attention's output through `where`; it is not the residual stream, so o_proj still closes
+    the block (column-parallel, it all-gathered the attention output twice per layer)."""
+    from hotswitch.models import PackedCausalLMLoss
+    from hotswitch.train.data import full_length_micro_batch
+
+    lg = trace(PackedCausalLMLoss(build_hf_model("llama").model), full_length_micro_batch(2, 16))
+    roles = infer_tp_roles(lg.forward.graph, lg.param_names, len(lg.buffer_names))
+    assert _role_of(lg, roles, "layers.0.self_attn.o_proj.weight")[:2] == ("row", 1)
+    assert _role_of(lg, roles, "layers.1.self_attn.q_proj.weight")[:2] == ("column", 0)
+    assert _role_of(lg, roles, "layers.1.mlp.down_proj.weight")[:2] == ("row", 1)
+
+
 def test_gpt2_conv1d_fused_qkv_and_tied_embedding(gpt2):
     lg, roles = gpt2
     assert lg.aliases == {"model.lm_head.weight": "model.transformer.wte.weight"}
