@@ -100,6 +100,7 @@ class GraphSharding:
     output_specs: list
     keep_partial: frozenset = frozenset()  # nodes whose Partial values stay unreduced
     replayed: int = 0  # decisions taken from `ShardingDecisions` instead of DTensor's search
+    searched: tuple[str, ...] = ()  # nodes DTensor's strategy search decided (their decisions are replayable)
 
     def placements(self) -> ShardingDecisions:
         """What was decided, without shapes: per searched op, the placements it wants its tensor
@@ -111,17 +112,87 @@ class GraphSharding:
                 out = [None if o is None else o.placements for o in d.out_spec] \
                     if isinstance(d.out_spec, (tuple, list)) else d.out_spec.placements
                 encoded = dt.encode_placements((tuple(w.placements for w in d.want_specs), out))
-                if not _mentions_strided(encoded):
+                if _mentions_strided(encoded):
+                    encoded = _relative_strided(d)
+                if encoded is not None:
                     ops[node.name] = encoded
         return ShardingDecisions(ops, frozenset(n.name for n in self.keep_partial))
 
 
 def _mentions_strided(encoded) -> bool:
-    """A _StridedShard's split factor is the product of the dims folded in front of the sharded one
-    (the batch, when [B, H, T, d] is viewed as [B*H, T, d]): it changes with the shape, so decisions
-    that involve one are searched again at every shape, not replayed."""
     if isinstance(encoded, (tuple, list)):
         return bool(encoded) and (encoded[0] == "SS" or any(_mentions_strided(e) for e in encoded))
+    return False
+
+
+def _same_strided(p, q) -> bool:
+    return isinstance(p, dt.StridedShard) and isinstance(q, dt.StridedShard) and (p.dim, p.split_factor) == (
+        q.dim, q.split_factor)
+
+
+def _relative_strided(d: Decision):
+    """A _StridedShard's split factor is the product of the dims folded in front of the sharded one
+    (the batch, when [B, H, T, d] is viewed as [B*H, T, d]): a shape, so it is not written down.
+    What is: an input kept in the _StridedShard it arrives in ("SSin", k), and an output strided like
+    input k on a dim of the same size ("SSof", k), as a batched matmul or an element-wise op on the
+    flattened heads gives. Anything else involving one (None) is searched again at every shape."""
+    if isinstance(d.out_spec, (tuple, list)):
+        return None
+    want = []
+    for k, (have, w) in enumerate(zip(d.in_specs, d.want_specs)):
+        row = []
+        for i, p in enumerate(w.placements):
+            if isinstance(p, dt.StridedShard):
+                if not _same_strided(p, have.placements[i]):
+                    return None
+                row.append(("SSin", k))
+            else:
+                row.append(dt.encode_placements(p))
+        want.append(tuple(row))
+    out = []
+    for i, p in enumerate(d.out_spec.placements):
+        if isinstance(p, dt.StridedShard):
+            k = next((k for k, w in enumerate(d.want_specs) if _same_strided(p, w.placements[i])
+                      and w.shape[p.dim] == d.out_spec.shape[p.dim]), None)
+            if k is None:
+                return None
+            out.append(("SSof", k))
+        else:
+            out.append(dt.encode_placements(p))
+    return (tuple(want), tuple(out))
+
+
+def _absolute_strided(placements, in_specs: list):
+    """`_relative_strided`'s markers resolved against the specs the inputs arrive in now: the
+    placements to replay and the (output dim, input index) pairs whose sizes must still agree; None
+    when an input no longer arrives strided."""
+    want_rel, out_rel = placements
+    if not _mentions_relative(out_rel) and not _mentions_relative(want_rel):
+        return placements, ()
+    want = []
+    for k, row in enumerate(want_rel):
+        resolved = []
+        for i, e in enumerate(row):
+            if isinstance(e, tuple) and e and e[0] == "SSin":
+                p = in_specs[k].placements[i]
+                if not isinstance(p, dt.StridedShard):
+                    return None
+                e = dt.encode_placements(p)
+            resolved.append(e)
+        want.append(tuple(resolved))
+    out, checks = [], []
+    for i, e in enumerate(out_rel):
+        if isinstance(e, tuple) and e and e[0] == "SSof":
+            k = e[1]
+            e = want[k][i]
+            checks.append((e[1], k))
+        out.append(e)
+    return (tuple(want), tuple(out)), tuple(checks)
+
+
+def _mentions_relative(encoded) -> bool:
+    if isinstance(encoded, (tuple, list)):
+        return bool(encoded) and (encoded[0] in ("SSin", "SSof") or any(_mentions_relative(e) for e in encoded))
     return False
 
 
@@ -171,7 +242,7 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, seq_symbol, pin
                                 pinned_nodes=pinned_nodes, strict=strict, keep_partial=set())
         partial = {n for n, d in first.decisions.items() if d.kind == "op" and _has_partial(d.out_spec)}
         keep_partial = _partials_to_keep(graph, partial)
-    replayed = 0
+    replayed, searched = 0, []
     decisions: dict[fx.Node, Decision] = {}
     specs: dict[fx.Node, Any] = {}
     values: dict[fx.Node, Any] = {}
@@ -186,6 +257,8 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, seq_symbol, pin
         d = _replay(node, decided.ops.get(node.name), mesh, specs, values) if decided is not None else None
         if d is None:
             d = _decide(node, mesh, specs, values, pinned_nodes, strict)
+            if d.replayable:
+                searched.append(node.name)
         else:
             replayed += 1
         if d.kind == "op" and _has_partial(d.out_spec) and node not in keep_partial:
@@ -201,7 +274,7 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, seq_symbol, pin
             specs[node] = d.spec
     out = next(n for n in graph.nodes if n.op == "output")
     return GraphSharding(decisions, [specs[a] for a in pytree.tree_leaves(out.args[0])], frozenset(keep_partial),
-                         replayed)
+                         replayed, tuple(searched))
 
 
 def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
@@ -209,12 +282,16 @@ def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
     None when there is nothing to replay or the inputs arrive in other placements than then."""
     if placements is None:
         return None
+    tensor_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
+    if len(tensor_nodes) != len(placements[0]) or any(n not in specs for n in tensor_nodes):
+        return None
+    resolved = _absolute_strided(placements, [specs[n] for n in tensor_nodes])
+    if resolved is None:
+        return None
+    placements, same_size = resolved
     # fresh objects per use: DTensor's _MaskPartial (vocab-parallel embedding) carries the mask its
     # input redistribution makes and its output reduction applies; decoding keeps that pair linked
     want, out = dt.decode_placements(placements)
-    tensor_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
-    if len(tensor_nodes) != len(want) or any(n not in specs for n in tensor_nodes):
-        return None
     concrete = lambda a: values.get(a, a) if isinstance(a, fx.Node) and not _is_tensor_node(a) else a  # noqa: E731
     to_schema = lambda a: specs[a] if _is_tensor_node(a) else concrete(a)  # noqa: E731
     args = pytree.tree_map(to_schema, node.args)
@@ -224,6 +301,8 @@ def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
     except Exception:  # noqa: BLE001 - replay is an optimization: propagate this op the usual way
         return None
     if isinstance(out, list) != isinstance(metas, (tuple, list)):
+        return None
+    if any(metas.shape[dim] != specs[tensor_nodes[k]].shape[dim] for dim, k in same_size):
         return None
     if isinstance(out, list):
         out_spec = tuple(None if p is None or not isinstance(m, torch.Tensor) else dt.make_spec(mesh, p, m)

@@ -133,5 +133,6 @@ def replay_equals_fresh(kind: str, config, seqs=(SEQ, 20), **overrides) -> dict:
         cm.zero_grad()
         loss = cm.forward_backward(*cm.shard_inputs(*later))
         out[label] = dict(placements=placements, collectives=coll, loss=float(loss), replayed=sharding.replayed,
+                          searched=sharding.searched,
                           grads={k: v.clone() for k, v in cm.full_grads().items()})
     return out
