@@ -1,6 +1,9 @@
 """A persistent cache of sharding decisions: what DTensor's strategy search decided for a graph under
 a config's placements, so that every rank, every later process (another run, an elastic generation,
-the Trainer's profiler) replays it instead of searching again.
+the Trainer's profiler) replays it instead of searching again; and of each rank's lowered ExecGraphs
+(`get_local` / `put_local`: keyed also by the local shapes, the rank's mesh coordinate and the
+decisions, written by `hotswitch.compiler.logic_io.dumps_program`), so that a later process loads
+its programs instead of tracing them again.
 
 Where: `$HOTSWITCH_CACHE_DIR`, else `$XDG_CACHE_HOME/hotswitch`, else `~/.cache/hotswitch`;
 `HOTSWITCH_CACHE=0` turns it off. An entry is keyed by a hash of everything the decisions depend on
@@ -41,6 +44,7 @@ class DecisionCache:
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
         self.hits = self.misses = self.recovered = 0
+        self.program_hits = self.program_misses = 0
         self._warned = False
 
     @staticmethod
@@ -57,33 +61,45 @@ class DecisionCache:
         return self.directory / key[:2] / f"{key}.pkl"
 
     def get(self, key: str):
+        value = self._read(key)
+        if value is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+        return value
+
+    def get_local(self, key: str):
+        """A rank's own entry (its lowered ExecGraph), counted apart from the shared decisions."""
+        value = self._read(key)
+        if value is None:
+            self.program_misses += 1
+        else:
+            self.program_hits += 1
+        return value
+
+    def _read(self, key: str):
         path = self._path(key)
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            self.misses += 1
             return None
         except OSError as e:
             self._report(f"cannot read {path} ({e})")
-            self.misses += 1
             return None
         header, _, rest = data.partition(b"\n")
         digest, payload = rest[:64], rest[64:]
         try:
             if header + b"\n" != _MAGIC or hashlib.sha256(payload).hexdigest().encode() != digest:
                 raise ValueError("bad header or checksum")
-            value = pickle.loads(payload)
+            return pickle.loads(payload)
         except Exception as e:  # noqa: BLE001 - any damage: recompute and overwrite
             self._report(f"{path} is corrupt or truncated ({type(e).__name__}: {e}); it is removed and recomputed")
             self.recovered += 1
-            self.misses += 1
             try:
                 path.unlink()
             except OSError:
                 pass
             return None
-        self.hits += 1
-        return value
 
     def put(self, key: str, value) -> None:
         path = self._path(key)
@@ -100,6 +116,11 @@ class DecisionCache:
 
     def failed(self, key: str) -> None:
         """The search for `key` raised: nothing to store (ranks sharing a search are told so)."""
+
+    put_local = put  # a rank's own entries stay on this disk (SharedDecisions does not publish them)
+
+    def report(self, message: str) -> None:
+        self._report(message)
 
     def _report(self, message: str) -> None:
         if not self._warned:

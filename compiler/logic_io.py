@@ -23,10 +23,10 @@ import torch.fx as fx
 from ._torch import OpOverload, codegen, pytree, symbolic_fake_mode, symbols_of
 from .trace import LogicGraph
 
-__all__ = ["dumps_logic", "loads_logic"]
+__all__ = ["dumps_logic", "dumps_program", "loads_logic", "loads_program"]
 
 _VERSION = 1
-_SKIPPED_META = ("val", "tensor_meta", "from_node", "original_aten")  # rebuilt, re-derivable or process-local
+_SKIPPED_META = ("val", "tensor_meta", "from_node", "original_aten", "eager_input_vals")  # rebuilt or process-local
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,11 @@ class _Ref:
 @dataclass(frozen=True)
 class _Op:
     qualified: str  # "aten::add.Tensor"
+
+
+@dataclass(frozen=True)
+class _Group:
+    axis: int  # a collective's process group: the one of this axis of the config's mesh
 
 
 @dataclass(frozen=True)
@@ -157,3 +162,30 @@ def loads_logic(data: bytes) -> LogicGraph:
     symints: dict[int, torch.SymInt] = {}
     graphs = {k: _decode_graph(*parts, fake_mode, symint, symints) for k, parts in encoded.items()}
     return LogicGraph(**graphs, **rest)
+
+
+def dumps_program(gm: fx.GraphModule, groups: dict[str, int]) -> bytes | None:
+    """A lowered ExecGraph as bytes for `loads_program`. Its collectives name process groups, whose
+    names depend on how many groups the process made before: `groups` (group name -> mesh axis) turns
+    each into its axis. None when a collective names a group that is not one of the mesh's."""
+    nodes = []
+    for name, op, target, args, kwargs, meta, val in _encode_graph(gm, _Encoder())[0]:
+        if isinstance(target, _Op) and target.qualified.startswith("_c10d_functional::") and args \
+                and isinstance(args[-1], str):
+            if args[-1] not in groups:
+                return None
+            args = (*args[:-1], _Group(groups[args[-1]]))
+        nodes.append((name, op, target, args, kwargs, meta, val))
+    attrs = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    return pickle.dumps((_VERSION, nodes, attrs, codegen(gm.graph)), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def loads_program(data: bytes, group_names: list[str]) -> fx.GraphModule:
+    """`dumps_program` inverted in this process: axis i's collectives run on `group_names[i]`."""
+    version, nodes, attrs, code = pickle.loads(data)
+    if version != _VERSION:
+        raise ValueError(f"an ExecGraph written by another version of hotswitch ({version}, not {_VERSION})")
+    nodes = [(name, op, target, tuple(group_names[a.axis] if isinstance(a, _Group) else a for a in args), kwargs,
+              meta, val) for name, op, target, args, kwargs, meta, val in nodes]
+    fake_mode, symint = symbolic_fake_mode({})
+    return _decode_graph(nodes, attrs, code, fake_mode, symint, {})

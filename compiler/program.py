@@ -29,7 +29,8 @@ import torch.fx as fx
 from . import _dtensor as dt
 from ._torch import pytree
 from .cache import DecisionCache
-from .lower import OutputPlan, ShardingDecisions, StageOutputPlan, lower, propagate_graph
+from .logic_io import dumps_program, loads_program
+from .lower import BUCKET_BYTES, OutputPlan, ShardingDecisions, StageOutputPlan, lower, propagate_graph
 from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
 from .trace import LogicGraph
@@ -79,12 +80,33 @@ class StageProgram:
     propagate_seconds: float = 0.0  # of which deciding placements (DTensor's strategy search, or a replay)
     decisions: ShardingDecisions | None = None  # the placements decided, apart from shapes
     replayed: int = 0  # ops whose placements were replayed from earlier decisions
+    loaded: bool = False  # the ExecGraph came from the persistent cache, not from tracing it again
 
 
 def _concrete(size, values: dict) -> int:
     if isinstance(size, torch.SymInt):
         return int(sympy.sympify(size.node.expr).subs(values))
     return int(size)
+
+
+def _canonical(decisions: ShardingDecisions) -> str:
+    """The decisions as text that is the same in every process (a frozenset's order is not)."""
+    return repr((sorted(decisions.ops.items()), sorted(decisions.keep_partial)))
+
+
+def _constants(graph: fx.Graph) -> str:
+    """A digest of the tensors a graph reads as attributes: its code names them, the program holds them."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for n in graph.nodes:
+        if n.op == "get_attr":
+            value = getattr(graph.owning_module, n.target)
+            h.update(n.target.encode())
+            if isinstance(value, torch.Tensor):
+                h.update(repr((value.dtype, tuple(value.shape))).encode())
+                h.update(value.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _leaves(graph: fx.Graph) -> list[fx.Node]:
@@ -151,10 +173,11 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     specs += [boundary_spec(ph.meta["val"]) for ph in boundary]
     n_acts_in = len(stage.acts_in) if stage is not None else 0
     key = None
+    what = (graph.python_code("self").src, tuple(mesh.mesh.shape), mesh.mesh_dim_names, dp, where.sp, strict,
+            [dt.encode_placements(where.param_placements[n]) for n in param_names],
+            [(tuple(b.shape), b.dtype) for b in buffers], list(input_dtypes), ndim)
     if decided is None and cache is not None:
-        key = cache.key(graph.python_code("self").src, tuple(mesh.mesh.shape), mesh.mesh_dim_names, dp, where.sp,
-                        strict, [dt.encode_placements(where.param_placements[n]) for n in param_names],
-                        [(tuple(b.shape), b.dtype) for b in buffers], list(input_dtypes), ndim)
+        key = cache.key(*what)
         decided = cache.get(key)
     t_propagate = time.perf_counter()
     try:
@@ -182,7 +205,28 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             first_grad_in = n_out + n_losses + n_p
             sent += [(first_grad_in + k, specs[n_p + n_b + n_i + k]) for k in range(n_acts_in)]
         plan = StageOutputPlan(forward_outputs=tuple(range(n_out + n_losses)), sent=tuple(sent))
-    gm = lower(graph, sharding, local, plan, mesh, device=where.device)
+    gm = None
+    if cache is not None:  # this rank's very program, lowered by an earlier process
+        groups = [mesh.get_group(i).group_name for i in range(ndim)]
+        program_key = cache.key("program", *what, tuple(map(tuple, local_shapes)), tuple(mesh.get_coordinate()),
+                                train, reduce, logic.split_loss, str(where.device), BUCKET_BYTES,
+                                _canonical(sharding.placements()), _constants(graph))
+        data = cache.get_local(program_key)
+        if data is not None:
+            try:
+                gm = loads_program(data, groups)
+            except Exception as e:  # noqa: BLE001 - an entry from another torch build, say: lower it again
+                cache.report(f"a cached ExecGraph did not load ({type(e).__name__}: {e}); it is lowered again")
+    loaded = gm is not None
+    if gm is None:
+        gm = lower(graph, sharding, local, plan, mesh, device=where.device)
+        if cache is not None:
+            try:
+                data = dumps_program(gm, {name: i for i, name in enumerate(groups)})
+            except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
+                data = None
+            if data is not None:
+                cache.put_local(program_key, data)
     gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
                             "local_shapes": tuple(local_shapes), "sharding": sharding}
     recv_acts = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i:n_p + n_b + n_i + n_acts_in]]
@@ -197,4 +241,4 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         n_losses=n_losses, n_params=n_p, send_grads=tuple(dtype.is_floating_point for _, dtype in recv_acts),
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=[sharding.output_specs[i] for i in deferred],
         param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
-        decisions=sharding.placements(), replayed=sharding.replayed)
+        decisions=sharding.placements(), replayed=sharding.replayed, loaded=loaded)

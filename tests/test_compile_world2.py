@@ -90,7 +90,8 @@ def check_op_without_rule_non_strict():
 
 def check_a_warm_cache_replays_decisions():
     """A second compiled model (as another process would be) finds the first one's decisions on disk
-    and replays them: no strategy search, the same collectives, the same numbers."""
+    and replays them (no strategy search), and loads its ExecGraph (no tracing): the same collectives,
+    the same numbers."""
     import os
     import tempfile
 
@@ -107,8 +108,12 @@ def check_a_warm_cache_replays_decisions():
         gm = cm.exec_graph("tp2sp")
         program = next(iter(cm._state("tp2sp").programs.values()))
         loss = cm.forward_backward(*cm.shard_inputs(*inputs))
-        out.append(dict(replayed=program.replayed, loss=float(loss), cache=(cm._cache.disk.hits, cm._cache.disk.misses),
-                        collectives=[str(n.target) for n in collectives(gm)]))
+        disk = cm._cache.disk
+        out.append(dict(replayed=program.replayed, loss=float(loss), cache=(disk.hits, disk.misses),
+                        programs=(disk.program_hits, disk.program_misses), loaded=program.loaded,
+                        collectives=[str(n.target) for n in collectives(gm)],
+                        targets=[str(n.target) for n in gm.graph.nodes],
+                        grads={k: v.clone() for k, v in cm.full_grads().items()}))
     return out
 
 
@@ -164,3 +169,8 @@ def test_a_warm_cache_replays_decisions(results):
             assert cold["replayed"] > 100 and cold["cache"] in ((0, 1), (1, 0)), cold
         assert warm["replayed"] > 100 and warm["cache"] == (1, 0)  # found and replayed (each rank has its own disk)
         assert warm["collectives"] == cold["collectives"] and warm["loss"] == cold["loss"]
+        # its ExecGraph too: loaded (its collectives bound to the second model's own process groups),
+        # not traced again; the same ops and the same numbers
+        assert cold["programs"] == (0, 1) and not cold["loaded"]
+        assert warm["programs"] == (1, 0) and warm["loaded"] and warm["targets"] == cold["targets"]
+        assert all(torch.equal(warm["grads"][k], v) for k, v in cold["grads"].items())

@@ -670,6 +670,7 @@ class CompiledModel:
                                     cache=self._cache)
             st.decisions.setdefault(graph, program.decisions)
             how = f"{program.replayed} placements replayed" if program.replayed else "placements searched"
+            how += ", ExecGraph loaded from the compile cache" if program.loaded else ""
             self._report(f"lowered {what} in {program.seconds:.1f} s ({how} in {program.propagate_seconds:.1f} s)")
             st.programs[key] = program
             st.compile_seconds[key] = program.seconds

@@ -128,3 +128,14 @@ class SharedDecisions:
 
     def failed(self, key: str) -> None:
         self.once.failed(key)
+
+    def get_local(self, key: str):
+        return None if self.disk is None else self.disk.get_local(key)
+
+    def put_local(self, key: str, value) -> None:
+        if self.disk is not None:
+            self.disk.put_local(key, value)
+
+    def report(self, message: str) -> None:
+        if self.disk is not None:
+            self.disk.report(message)
