@@ -61,20 +61,15 @@ class DecisionCache:
         return self.directory / key[:2] / f"{key}.pkl"
 
     def get(self, key: str):
-        value = self._read(key)
-        if value is None:
-            self.misses += 1
-        else:
-            self.hits += 1
-        return value
+        return self._counted(self._read(key), "hits", "misses")
 
     def get_local(self, key: str):
         """A rank's own entry (its lowered ExecGraph), counted apart from the shared decisions."""
-        value = self._read(key)
-        if value is None:
-            self.program_misses += 1
-        else:
-            self.program_hits += 1
+        return self._counted(self._read(key), "program_hits", "program_misses")
+
+    def _counted(self, value, hit: str, miss: str):
+        counter = hit if value is not None else miss
+        setattr(self, counter, getattr(self, counter) + 1)
         return value
 
     def _read(self, key: str):
@@ -84,7 +79,7 @@ class DecisionCache:
         except FileNotFoundError:
             return None
         except OSError as e:
-            self._report(f"cannot read {path} ({e})")
+            self.report(f"cannot read {path} ({e})")
             return None
         header, _, rest = data.partition(b"\n")
         digest, payload = rest[:64], rest[64:]
@@ -93,7 +88,7 @@ class DecisionCache:
                 raise ValueError("bad header or checksum")
             return pickle.loads(payload)
         except Exception as e:  # noqa: BLE001 - any damage: recompute and overwrite
-            self._report(f"{path} is corrupt or truncated ({type(e).__name__}: {e}); it is removed and recomputed")
+            self.report(f"{path} is corrupt or truncated ({type(e).__name__}: {e}); it is removed and recomputed")
             self.recovered += 1
             try:
                 path.unlink()
@@ -112,7 +107,7 @@ class DecisionCache:
                 f.write(data)
             os.replace(tmp, path)  # atomic: readers see the old entry, the new one, or none
         except OSError as e:
-            self._report(f"cannot write {path} ({e}); compiling goes on without caching")
+            self.report(f"cannot write {path} ({e}); compiling goes on without caching")
 
     def failed(self, key: str) -> None:
         """The search for `key` raised: nothing to store (ranks sharing a search are told so)."""
@@ -120,9 +115,7 @@ class DecisionCache:
     put_local = put  # a rank's own entries stay on this disk (SharedDecisions does not publish them)
 
     def report(self, message: str) -> None:
-        self._report(message)
-
-    def _report(self, message: str) -> None:
+        """Warn once per cache: damage is reported, never raised (the entry is recomputed)."""
         if not self._warned:
             warnings.warn(f"hotswitch compile cache: {message}", stacklevel=3)
             self._warned = True

@@ -112,16 +112,17 @@ class GraphSharding:
                 out = [None if o is None else o.placements for o in d.out_spec] \
                     if isinstance(d.out_spec, (tuple, list)) else d.out_spec.placements
                 encoded = dt.encode_placements((tuple(w.placements for w in d.want_specs), out))
-                if _mentions_strided(encoded):
+                if _mentions(encoded, ("SS",)):
                     encoded = _relative_strided(d)
                 if encoded is not None:
                     ops[node.name] = encoded
         return ShardingDecisions(ops, frozenset(n.name for n in self.keep_partial))
 
 
-def _mentions_strided(encoded) -> bool:
+def _mentions(encoded, kinds: tuple[str, ...]) -> bool:
+    """Does an encoded decision hold a placement of one of `kinds` ("SS", "SSin", ...)?"""
     if isinstance(encoded, (tuple, list)):
-        return bool(encoded) and (encoded[0] == "SS" or any(_mentions_strided(e) for e in encoded))
+        return bool(encoded) and (encoded[0] in kinds or any(_mentions(e, kinds) for e in encoded))
     return False
 
 
@@ -167,7 +168,7 @@ def _absolute_strided(placements, in_specs: list):
     placements to replay and the (output dim, input index) pairs whose sizes must still agree; None
     when an input no longer arrives strided."""
     want_rel, out_rel = placements
-    if not _mentions_relative(out_rel) and not _mentions_relative(want_rel):
+    if not _mentions(placements, ("SSin", "SSof")):
         return placements, ()
     want = []
     for k, row in enumerate(want_rel):
@@ -188,12 +189,6 @@ def _absolute_strided(placements, in_specs: list):
             checks.append((e[1], k))
         out.append(e)
     return (tuple(want), tuple(out)), tuple(checks)
-
-
-def _mentions_relative(encoded) -> bool:
-    if isinstance(encoded, (tuple, list)):
-        return bool(encoded) and (encoded[0] in ("SSin", "SSof") or any(_mentions_relative(e) for e in encoded))
-    return False
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ gradients), so each rank's own graph is exact, and so are the reductions.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -96,8 +97,6 @@ def _canonical(decisions: ShardingDecisions) -> str:
 
 def _constants(graph: fx.Graph) -> str:
     """A digest of the tensors a graph reads as attributes: its code names them, the program holds them."""
-    import hashlib
-
     h = hashlib.sha256()
     for n in graph.nodes:
         if n.op == "get_attr":
@@ -189,8 +188,9 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             cache.failed(key)
         raise
     propagate_seconds = time.perf_counter() - t_propagate
+    decisions = sharding.placements()
     if key is not None and decided is None:
-        cache.put(key, sharding.placements())
+        cache.put(key, decisions)
     # this rank's example inputs, on its device (real tensors: make_fx fakes them itself, and DTensor's
     # uneven _StridedShard gather reads index tensors that inputs faked here would make data-dependent)
     local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype, device=where.device) for s in specs]
@@ -210,7 +210,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         groups = [mesh.get_group(i).group_name for i in range(ndim)]
         program_key = cache.key("program", *what, tuple(map(tuple, local_shapes)), tuple(mesh.get_coordinate()),
                                 train, reduce, logic.split_loss, str(where.device), BUCKET_BYTES,
-                                _canonical(sharding.placements()), _constants(graph))
+                                _canonical(decisions), _constants(graph))
         data = cache.get_local(program_key)
         if data is not None:
             try:
@@ -241,4 +241,4 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         n_losses=n_losses, n_params=n_p, send_grads=tuple(dtype.is_floating_point for _, dtype in recv_acts),
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=[sharding.output_specs[i] for i in deferred],
         param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
-        decisions=sharding.placements(), replayed=sharding.replayed, loaded=loaded)
+        decisions=decisions, replayed=sharding.replayed, loaded=loaded)
