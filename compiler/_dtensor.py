@@ -27,7 +27,7 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 __all__ = [
     "DTensorSpec", "DeviceMesh", "OpSchema", "OutputSharding", "Partial", "Placement", "Replicate",
     "Shard", "StridedShard", "make_spec", "propagate", "propagation", "redistribute", "local_shape", "has_rule",
-    "torch_functions", "from_local", "encode_placements", "decode_placements",
+    "torch_functions", "from_local", "encode_placements", "decode_placements", "encode_spec", "decode_spec",
 ]
 
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402
@@ -140,6 +140,17 @@ def torch_functions() -> tuple:
 def make_spec(mesh: DeviceMesh, placements: Sequence[Placement], meta: torch.Tensor) -> DTensorSpec:
     """A spec for a global tensor described by `meta` (a fake or real tensor of the global shape)."""
     return DTensorSpec(mesh, tuple(placements), TensorMeta(meta.shape, meta.stride(), meta.dtype))
+
+
+def encode_spec(spec: DTensorSpec) -> tuple:
+    """A spec without its mesh, as plain values (a cached program's output specs)."""
+    meta = spec.tensor_meta
+    return encode_placements(tuple(spec.placements)), tuple(meta.shape), tuple(meta.stride), meta.dtype
+
+
+def decode_spec(mesh: DeviceMesh, encoded: tuple) -> DTensorSpec:
+    placements, shape, stride, dtype = encoded
+    return DTensorSpec(mesh, decode_placements(placements), TensorMeta(torch.Size(shape), stride, dtype))
 
 
 def encode_placements(obj):

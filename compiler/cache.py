@@ -1,50 +1,66 @@
-"""A persistent cache of sharding decisions: what DTensor's strategy search decided for a graph under
-a config's placements, so that every rank, every later process (another run, an elastic generation,
-the Trainer's profiler) replays it instead of searching again; and of each rank's lowered ExecGraphs
-(`get_local` / `put_local`: keyed also by the local shapes, the rank's mesh coordinate and the
-decisions, written by `hotswitch.compiler.logic_io.dumps_program`), so that a later process loads
-its programs instead of tracing them again.
+"""The persistent compile cache: what is costly to compute and the same in every later process.
 
-Where: `$HOTSWITCH_CACHE_DIR`, else `$XDG_CACHE_HOME/hotswitch`, else `~/.cache/hotswitch`;
-`HOTSWITCH_CACHE=0` turns it off. An entry is keyed by a hash of everything the decisions depend on
-(the graph's code, the mesh's shape and axis names, the placements of the parameters, buffers and
-inputs' dtypes, data and sequence parallelism, strictness, the torch and hotswitch versions) and
+Three kinds of entries, each under a key that hashes everything it depends on:
+
+- "logic": a traced LogicGraph (`logic_io.dumps_logic`), keyed by the model's fingerprint
+  (`compiler.fingerprint`: its code, settings, state shapes and example inputs); a later run, an
+  elastic generation or the Trainer's profiler loads it instead of tracing again.
+- "decisions": what DTensor's strategy search decided for a graph under a config's placements
+  (keyed by the graph's code, the mesh's shape and axis names, the placements of the parameters,
+  buffers and inputs' dtypes, data and sequence parallelism, strictness), replayed instead of searched.
+- "program": a rank's lowered ExecGraph (`logic_io.dumps_program`), keyed also by the local shapes,
+  the rank's mesh coordinate and the decisions; a rank's own, never shared.
+
+Every key also holds the torch version, hotswitch's and a digest of the compiler's source, so an
+entry written by other code is never read. Where: `$HOTSWITCH_CACHE_DIR`, else
+`$XDG_CACHE_HOME/hotswitch`, else `~/.cache/hotswitch`; `HOTSWITCH_CACHE=0` turns it off. An entry
 holds a checksum of its payload: a truncated or corrupted entry is reported once, removed and
 recomputed. Writers write a temporary file and rename it, so ranks that store the same entry at
 once never leave a torn file behind.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import pickle
 import tempfile
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
 
-__all__ = ["DecisionCache", "default_cache"]
+from .fingerprint import files_digest
 
-_MAGIC = b"hotswitch-decisions-v1\n"
+__all__ = ["CompileCache", "default_cache"]
+
+_MAGIC = b"hotswitch-compile-cache-v1\n"
 
 
+@functools.lru_cache(maxsize=None)
 def _version() -> str:
+    """hotswitch's version and a digest of the compiler's source: entries written by a compiler that
+    has been edited since (an editable install keeps its version number) are never read."""
     try:
         from importlib.metadata import version
 
-        return version("hotswitch")
+        number = version("hotswitch")
     except Exception:  # noqa: BLE001 - running from a source tree without an install
-        return "source"
+        number = "source"
+    here = Path(__file__).resolve().parent
+    return f"{number}+{files_digest(sorted(here.glob('*.py')), here)[:16]}"
 
 
-class DecisionCache:
-    """get(key) / put(key, decisions) on a directory; `key(...)` builds the key from its parts."""
+class CompileCache:
+    """get(key, kind) / put(key, value) on a directory; `key(...)` builds a key from its parts.
+    `hits[kind]` and `misses[kind]` count the lookups of each kind ("decisions", "program", "logic")."""
 
     def __init__(self, directory: str | os.PathLike):
         self.directory = Path(directory)
-        self.hits = self.misses = self.recovered = 0
-        self.program_hits = self.program_misses = 0
+        self.hits: Counter[str] = Counter()
+        self.misses: Counter[str] = Counter()
+        self.recovered = 0
         self._warned = False
 
     @staticmethod
@@ -60,16 +76,9 @@ class DecisionCache:
     def _path(self, key: str) -> Path:
         return self.directory / key[:2] / f"{key}.pkl"
 
-    def get(self, key: str):
-        return self._counted(self._read(key), "hits", "misses")
-
-    def get_local(self, key: str):
-        """A rank's own entry (its lowered ExecGraph), counted apart from the shared decisions."""
-        return self._counted(self._read(key), "program_hits", "program_misses")
-
-    def _counted(self, value, hit: str, miss: str):
-        counter = hit if value is not None else miss
-        setattr(self, counter, getattr(self, counter) + 1)
+    def get(self, key: str, kind: str = "decisions"):
+        value = self._read(key)
+        (self.hits if value is not None else self.misses)[kind] += 1
         return value
 
     def _read(self, key: str):
@@ -98,6 +107,8 @@ class DecisionCache:
 
     def put(self, key: str, value) -> None:
         path = self._path(key)
+        if path.exists():  # equal keys, equal values: another rank of this host wrote it already
+            return
         payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         data = _MAGIC + hashlib.sha256(payload).hexdigest().encode() + payload
         try:
@@ -112,8 +123,6 @@ class DecisionCache:
     def failed(self, key: str) -> None:
         """The search for `key` raised: nothing to store (ranks sharing a search are told so)."""
 
-    put_local = put  # a rank's own entries stay on this disk (SharedDecisions does not publish them)
-
     def report(self, message: str) -> None:
         """Warn once per cache: damage is reported, never raised (the entry is recomputed)."""
         if not self._warned:
@@ -121,7 +130,7 @@ class DecisionCache:
             self._warned = True
 
 
-def default_cache() -> DecisionCache | None:
+def default_cache() -> CompileCache | None:
     """The cache the environment asks for (see the module doc), or None when it is turned off."""
     if os.environ.get("HOTSWITCH_CACHE", "1").lower() in ("0", "false", "no", "off"):
         return None
@@ -129,4 +138,4 @@ def default_cache() -> DecisionCache | None:
     if not directory:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         directory = os.path.join(base, "hotswitch")
-    return DecisionCache(directory)
+    return CompileCache(directory)

@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from . import _dtensor as dt
 from ._torch import pytree
-from .cache import DecisionCache
+from .cache import CompileCache
 from .logic_io import dumps_program, loads_program
 from .lower import BUCKET_BYTES, OutputPlan, ShardingDecisions, StageOutputPlan, lower, propagate_graph
 from .stages import Stage, split_forward_backward, stage_joint
@@ -116,12 +116,13 @@ def _leaves(graph: fx.Graph) -> list[fx.Node]:
 def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buffers: list[torch.Tensor],
                   local_shapes: tuple, input_dtypes: list[torch.dtype], *, train: bool, reduce: bool = False,
                   strict: bool = True, memo: dict | None = None, decided: ShardingDecisions | None = None,
-                  cache: DecisionCache | None = None) -> StageProgram:
+                  cache: CompileCache | None = None) -> StageProgram:
     """Lower one stage (None: the whole model) for local micro-batches of `local_shapes` (this rank's
     rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`);
     `decided`: the same graph's decisions under the same placements at another shape, replayed
     instead of searched (the program's `decisions` are what to pass next time); `cache`: a persistent
-    DecisionCache consulted when `decided` is None, and filled after a search."""
+    CompileCache (or runtime.shared.SharedCache) consulted for the decisions when `decided` is None
+    (filled after a search) and for this rank's program."""
     t0 = time.perf_counter()
     if reduce and stage is not None:
         raise ValueError("reduce=True lowers a whole model (stage=None); pipeline stages defer their reduction")
@@ -178,67 +179,78 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     if decided is None and cache is not None:
         key = cache.key(*what)
         decided = cache.get(key)
-    t_propagate = time.perf_counter()
-    try:
-        sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None,
-                                   seq_symbol=seq_sym, pinned_nodes=param_views(graph, n_p), strict=strict,
-                                   memo=memo, decided=decided)
-    except BaseException:
-        if key is not None and decided is None:
-            cache.failed(key)
-        raise
-    propagate_seconds = time.perf_counter() - t_propagate
-    decisions = sharding.placements()
-    if key is not None and decided is None:
-        cache.put(key, decisions)
     # this rank's example inputs, on its device (real tensors: make_fx fakes them itself, and DTensor's
     # uneven _StridedShard gather reads index tensors that inputs faked here would make data-dependent)
     local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype, device=where.device) for s in specs]
     n_losses = 2 if is_last else 1
-    if reduce:
-        plan = OutputPlan(split_loss=logic.split_loss, num_losses=2 if logic.split_loss else 1,
-                          param_specs=tuple(specs[:n_p]) if train else ())
-    else:
-        out_vals = [n.meta["val"] for n in _leaves(graph)]
-        sent = [(i, boundary_spec(out_vals[i])) for i in range(n_out)]  # activations, in the next stage's layout
-        if train:
-            first_grad_in = n_out + n_losses + n_p
-            sent += [(first_grad_in + k, specs[n_p + n_b + n_i + k]) for k in range(n_acts_in)]
-        plan = StageOutputPlan(forward_outputs=tuple(range(n_out + n_losses)), sent=tuple(sent))
-    gm = None
-    if cache is not None:  # this rank's very program, lowered by an earlier process
-        groups = [mesh.get_group(i).group_name for i in range(ndim)]
-        program_key = cache.key("program", *what, tuple(map(tuple, local_shapes)), tuple(mesh.get_coordinate()),
-                                train, reduce, logic.split_loss, str(where.device), BUCKET_BYTES,
-                                _canonical(decisions), _constants(graph))
-        data = cache.get_local(program_key)
-        if data is not None:
+    deferred = [] if reduce else \
+        list(range(n_out, n_out + n_losses)) + (list(range(n_out + n_losses, n_out + n_losses + n_p)) if train else [])
+    groups = [mesh.get_group(i).group_name for i in range(ndim)]
+
+    def program_key(decisions: ShardingDecisions) -> str:
+        # propagation is a function of the graph, the specs and the decisions it replays: so is the program
+        return cache.key("program", *what, tuple(map(tuple, local_shapes)), tuple(mesh.get_coordinate()),
+                         train, reduce, logic.split_loss, str(where.device), BUCKET_BYTES,
+                         _canonical(decisions), _constants(graph))
+
+    sharding, propagate_seconds, gm, deferred_specs = None, 0.0, None, None
+    if cache is not None and decided is not None:  # this rank's very program, lowered by an earlier process
+        entry = cache.get(program_key(decided), "program")
+        if entry is not None:
             try:
+                data, encoded_specs = entry
                 gm = loads_program(data, groups)
+                deferred_specs = [dt.decode_spec(mesh, e) for e in encoded_specs]
             except Exception as e:  # noqa: BLE001 - an entry from another torch build, say: lower it again
+                gm = None
                 cache.report(f"a cached ExecGraph did not load ({type(e).__name__}: {e}); it is lowered again")
     loaded = gm is not None
-    if gm is None:
+    if loaded:
+        decisions = decided  # nothing propagated: the program already holds what the decisions lead to
+    else:
+        t_propagate = time.perf_counter()
+        try:
+            sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None,
+                                       seq_symbol=seq_sym, pinned_nodes=param_views(graph, n_p), strict=strict,
+                                       memo=memo, decided=decided)
+        except BaseException:
+            if key is not None and decided is None:
+                cache.failed(key)
+            raise
+        propagate_seconds = time.perf_counter() - t_propagate
+        decisions = sharding.placements()
+        if key is not None and decided is None:
+            cache.put(key, decisions)
+        if reduce:
+            plan = OutputPlan(split_loss=logic.split_loss, num_losses=2 if logic.split_loss else 1,
+                              param_specs=tuple(specs[:n_p]) if train else ())
+        else:
+            out_vals = [n.meta["val"] for n in _leaves(graph)]
+            sent = [(i, boundary_spec(out_vals[i])) for i in range(n_out)]  # activations, in the next stage's layout
+            if train:
+                first_grad_in = n_out + n_losses + n_p
+                sent += [(first_grad_in + k, specs[n_p + n_b + n_i + k]) for k in range(n_acts_in)]
+            plan = StageOutputPlan(forward_outputs=tuple(range(n_out + n_losses)), sent=tuple(sent))
         gm = lower(graph, sharding, local, plan, mesh, device=where.device)
+        deferred_specs = [sharding.output_specs[i] for i in deferred]
         if cache is not None:
             try:
                 data = dumps_program(gm, {name: i for i, name in enumerate(groups)})
             except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
                 data = None
             if data is not None:
-                cache.put_local(program_key, data)
+                cache.put(program_key(decided if decided is not None else decisions),
+                          (data, [dt.encode_spec(s) for s in deferred_specs]), "program")
     gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
                             "local_shapes": tuple(local_shapes), "sharding": sharding}
     recv_acts = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i:n_p + n_b + n_i + n_acts_in]]
     recv_grads = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i + n_acts_in:]]
     forward, backward = gm, None
     if train and recv_grads and not reduce:
-        forward, backward, _ = split_forward_backward(gm, len(recv_grads), plan.forward_outputs)
-    deferred = [] if reduce else \
-        list(range(n_out, n_out + n_losses)) + (list(range(n_out + n_losses, n_out + n_losses + n_p)) if train else [])
+        forward, backward, _ = split_forward_backward(gm, len(recv_grads), tuple(range(n_out + n_losses)))
     return StageProgram(
         joint=gm, forward=forward, backward=backward, train=train, is_last=is_last, n_acts_out=n_out,
         n_losses=n_losses, n_params=n_p, send_grads=tuple(dtype.is_floating_point for _, dtype in recv_acts),
-        recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=[sharding.output_specs[i] for i in deferred],
+        recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=deferred_specs,
         param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
-        decisions=decisions, replayed=sharding.replayed, loaded=loaded)
+        decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded)

@@ -6,24 +6,25 @@ import warnings
 
 import pytest
 
-from hotswitch.compiler.cache import DecisionCache, default_cache
+from hotswitch.compiler.cache import CompileCache, default_cache
 from hotswitch.compiler.lower import ShardingDecisions
 
 DECISIONS = ShardingDecisions({"mm": (((("S", 0),), (("R",),)), (("P", "sum"),))}, frozenset({"add_3"}))
 
 
 def test_round_trip_and_keys(tmp_path):
-    cache = DecisionCache(tmp_path)
+    cache = CompileCache(tmp_path)
     key = cache.key("graph code", (2, 2), ("dp", "tp"))
     assert key != cache.key("graph code", (4,), ("tp",)) and key == cache.key("graph code", (2, 2), ("dp", "tp"))
-    assert cache.get(key) is None and cache.misses == 1
+    assert cache.get(key) is None and cache.misses["decisions"] == 1
     cache.put(key, DECISIONS)
-    assert cache.get(key) == DECISIONS and cache.hits == 1
+    assert cache.get(key) == DECISIONS and cache.hits["decisions"] == 1
+    assert cache.get(cache.key("another graph"), "program") is None and cache.misses["program"] == 1
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "garbage"])
 def test_a_damaged_entry_is_reported_once_removed_and_recomputed(tmp_path, damage):
-    cache = DecisionCache(tmp_path)
+    cache = CompileCache(tmp_path)
     key = cache.key("g")
     cache.put(key, DECISIONS)
     path = next(tmp_path.rglob("*.pkl"))
@@ -40,7 +41,7 @@ def test_a_damaged_entry_is_reported_once_removed_and_recomputed(tmp_path, damag
 
 
 def test_concurrent_writers_leave_a_whole_entry(tmp_path):
-    cache = DecisionCache(tmp_path)
+    cache = CompileCache(tmp_path)
     key = cache.key("g")
     big = ShardingDecisions({f"n{i}": ((("R",),), ("R",)) for i in range(20000)}, frozenset())
     threads = [threading.Thread(target=cache.put, args=(key, big)) for _ in range(8)]
@@ -48,7 +49,7 @@ def test_concurrent_writers_leave_a_whole_entry(tmp_path):
         t.start()
     for t in threads:
         t.join()
-    assert DecisionCache(tmp_path).get(key) == big
+    assert CompileCache(tmp_path).get(key) == big
     assert [p.name for p in tmp_path.rglob("*")  if p.is_file()] == [f"{key}.pkl"]  # no temporary file left
 
 
@@ -71,12 +72,12 @@ def test_one_rank_searches_and_the_others_wait_for_its_decisions(tmp_path):
 
     import torch.distributed as dist
 
-    from hotswitch.runtime.shared import JobOnce, SharedDecisions
+    from hotswitch.runtime.shared import JobOnce, SharedCache
 
     store = dist.HashStore()
     wait = datetime.timedelta(seconds=600)
-    first = SharedDecisions(None, JobOnce(store, wait))
-    second = SharedDecisions(None, JobOnce(store, wait))
+    first = SharedCache(None, JobOnce(store, wait))
+    second = SharedCache(None, JobOnce(store, wait))
     second.once.scope = first.once.scope  # two ranks' copies of one compiled model
     got = {}
     assert first.get("k1") is None  # ours to search
@@ -93,5 +94,9 @@ def test_one_rank_searches_and_the_others_wait_for_its_decisions(tmp_path):
     waiter.join()
     assert got["k2"] is None and second.once.received == 1  # searches for itself
 
-    other_model = SharedDecisions(None, JobOnce(store, wait))  # another scope: decides on its own
+    other_model = SharedCache(None, JobOnce(store, wait))  # another scope: decides on its own
     assert other_model.get("k1") is None and other_model.once.computed == 1
+
+    # a rank's own program is never claimed nor awaited: both ranks lower theirs
+    assert first.get("p", "program") is None and second.get("p", "program") is None
+    assert first.once.computed == 2 and second.once.received == 1

@@ -89,9 +89,9 @@ def check_op_without_rule_non_strict():
 
 
 def check_a_warm_cache_replays_decisions():
-    """A second compiled model (as another process would be) finds the first one's decisions on disk
-    and replays them (no strategy search), and loads its ExecGraph (no tracing): the same collectives,
-    the same numbers."""
+    """A second compiled model (as another process would be) finds the first one's LogicGraph on disk
+    (no trace), its decisions (replayed: no strategy search) and its ExecGraph (no lowering trace):
+    the same collectives, the same numbers."""
     import os
     import tempfile
 
@@ -101,16 +101,16 @@ def check_a_warm_cache_replays_decisions():
     model, inputs = make_model("gpt"), batch()
     config = hs.DistConfig("tp2sp", tp=2, sp=True)
     out = []
-    logic = None
     for _ in range(2):
-        cm = hs.compile(model, inputs, [config], logic=logic)
-        logic = cm.logic
+        cm = hs.compile(model, inputs, [config])
         gm = cm.exec_graph("tp2sp")
         program = next(iter(cm._state("tp2sp").programs.values()))
         loss = cm.forward_backward(*cm.shard_inputs(*inputs))
         disk = cm._cache.disk
-        out.append(dict(replayed=program.replayed, loss=float(loss), cache=(disk.hits, disk.misses),
-                        programs=(disk.program_hits, disk.program_misses), loaded=program.loaded,
+        out.append(dict(replayed=program.replayed, loss=float(loss),
+                        cache=(disk.hits["decisions"], disk.misses["decisions"]),
+                        programs=(disk.hits["program"], disk.misses["program"]), loaded=program.loaded,
+                        logic=(cm.logic_source, disk.hits["logic"]), nodes=[n.name for n in cm.logic.joint.graph.nodes],
                         collectives=[str(n.target) for n in collectives(gm)],
                         targets=[str(n.target) for n in gm.graph.nodes],
                         grads={k: v.clone() for k, v in cm.full_grads().items()}))
@@ -162,15 +162,20 @@ def test_op_without_rule_runs_replicated_when_not_strict(results):
 
 def test_a_warm_cache_replays_decisions(results):
     ranks = results["check_a_warm_cache_replays_decisions"].raise_if_failed()
+    # one rank traced the model for both; the other loaded it from the job's store
+    assert sorted(cold["logic"] for cold, _ in ranks) == [("loaded", 0), ("traced", 0)]
     (searcher,) = [cold for cold, _ in ranks if cold["replayed"] == 0]  # one rank searched, for both
     assert searcher["cache"] == (0, 1)  # not on disk, then stored
     for cold, warm in ranks:
         if cold is not searcher:  # it waited for the searcher's decisions, or (a late rank) found them on disk
             assert cold["replayed"] > 100 and cold["cache"] in ((0, 1), (1, 0)), cold
-        assert warm["replayed"] > 100 and warm["cache"] == (1, 0)  # found and replayed (each rank has its own disk)
+        assert warm["logic"] == ("loaded", 1) and warm["nodes"] == cold["nodes"]  # from this rank's disk
+        # its decisions found (each rank has its own disk), and with them its ExecGraph: nothing propagated
+        assert warm["cache"] == (1, 0) and warm["replayed"] == 0
         assert warm["collectives"] == cold["collectives"] and warm["loss"] == cold["loss"]
         # its ExecGraph too: loaded (its collectives bound to the second model's own process groups),
         # not traced again; the same ops and the same numbers
-        assert cold["programs"] == (0, 1) and not cold["loaded"]
+        # (the searcher has no decisions to look its program up by before it searches)
+        assert cold["programs"] == ((0, 0) if cold is searcher else (0, 1)) and not cold["loaded"]
         assert warm["programs"] == (1, 0) and warm["loaded"] and warm["targets"] == cold["targets"]
         assert all(torch.equal(warm["grads"][k], v) for k, v in cold["grads"].items())

@@ -27,7 +27,7 @@ from hotswitch.compiler.trace import LogicGraph
 from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device, synchronize
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
-from hotswitch.runtime.shared import JobOnce, SharedDecisions, trace_once
+from hotswitch.runtime.shared import JobOnce, SharedCache, trace_once
 from hotswitch.switch.executor import SwitchStats, execute_plan
 from hotswitch.switch.order import OrderPlan, plan_order
 from hotswitch.switch.planner import PlanCache, SwitchPlan, TensorMove
@@ -88,17 +88,21 @@ class CompiledModel:
         self._configs = tuple(configs)
         self._report = report = progress or (lambda message: None)
         t0 = time.perf_counter()
+        # sharding decisions and the LogicGraph: computed by one rank for all, and kept on disk for
+        # later processes (HOTSWITCH_CACHE=0: off)
+        self._cache = SharedCache(default_cache(), JobOnce())
         # `logic`: this model's LogicGraph from an earlier compile (elastic changes re-compile, not re-trace)
+        self.logic_source = "given"  # or "traced" (by this rank), "loaded" (the cache or another rank traced it)
         if logic is None:
             report("tracing the model (torch.export, core ATen, joint forward + backward graph)")
-        once = JobOnce()  # what one rank traces or searches, the others load
-        self.logic: LogicGraph = logic if logic is not None else trace_once(model, example_inputs, once)
+            logic, self.logic_source = trace_once(model, example_inputs, self._cache)
+        self.logic: LogicGraph = logic
         self.call: ModelCall = self.logic.call or ModelCall.of(model, example_inputs)
         self._example_inputs = self.call.flatten_example(example_inputs)  # its tensors, in the graphs' order
         self._warned_unsharded = False
         self.trace_seconds = time.perf_counter() - t0
-        if logic is None:
-            report(f"traced in {self.trace_seconds:.1f} s: {len(self.logic.joint.graph.nodes)} nodes, "
+        if self.logic_source != "given":
+            report(f"{self.logic_source} in {self.trace_seconds:.1f} s: {len(self.logic.joint.graph.nodes)} nodes, "
                    f"{len(self.logic.param_names)} parameters")
         self.roles: TPRoles = infer_tp_roles(
             self.logic.forward.graph, self.logic.param_names, len(self.logic.buffer_names)
@@ -123,8 +127,6 @@ class CompiledModel:
         # two configs' meshes can compare equal (same ranks) yet own different process groups, and a
         # result carries its mesh, so the collectives it leads to would name the other config's group
         self._propagation_memo: dict[str, dict] = {}
-        # sharding decisions searched by one rank for all, and kept on disk for later processes (HOTSWITCH_CACHE=0: off)
-        self._cache = SharedDecisions(default_cache(), once)
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
             self.exec_graph(c.name, shapes)
@@ -669,9 +671,12 @@ class CompiledModel:
                                     decided=st.decisions.get(graph),
                                     cache=self._cache)
             st.decisions.setdefault(graph, program.decisions)
-            how = f"{program.replayed} placements replayed" if program.replayed else "placements searched"
-            how += ", ExecGraph loaded from the compile cache" if program.loaded else ""
-            self._report(f"lowered {what} in {program.seconds:.1f} s ({how} in {program.propagate_seconds:.1f} s)")
+            if program.loaded:
+                how = "loaded from the compile cache"
+            else:
+                how = f"{program.replayed} placements replayed" if program.replayed else "placements searched"
+                how += f" in {program.propagate_seconds:.1f} s"
+            self._report(f"lowered {what} in {program.seconds:.1f} s ({how})")
             st.programs[key] = program
             st.compile_seconds[key] = program.seconds
         return st.programs[key]

@@ -5,24 +5,24 @@ and DTensor's strategy search on the mesh's shape and the parameters' placements
 coordinate. So the first rank that needs one computes it and publishes it in the process group's
 store; the others wait and load it (4 ranks on 2 cores otherwise trace and search four times over,
 most of a compile). Anything unexpected (no store, a rank that failed, a wait that timed out) makes
-a rank compute for itself: slower, never different.
+a rank compute for itself: slower, never different. Before any of that, each rank looks in the
+persistent compile cache (`hotswitch.compiler.cache`): a later run finds both on disk.
 """
 from __future__ import annotations
 
 import datetime
-import hashlib
 import itertools
 import pickle
 
 import torch
 
-from hotswitch.compiler._torch import pytree
-from hotswitch.compiler.cache import DecisionCache
+from hotswitch.compiler.cache import CompileCache
+from hotswitch.compiler.fingerprint import model_fingerprint
 from hotswitch.compiler.logic_io import dumps_logic, loads_logic
 from hotswitch.compiler.trace import LogicGraph, trace
 from hotswitch.distributed import _c10d
 
-__all__ = ["JobOnce", "SharedDecisions", "trace_once"]
+__all__ = ["JobOnce", "SharedCache", "trace_once"]
 
 _FAILED = b"failed"
 _scopes = itertools.count()  # one per compiled model: a model never reads another model's results
@@ -66,75 +66,74 @@ class JobOnce:
         self.publish(key, _FAILED)
 
 
-def trace_once(model: torch.nn.Module, example_inputs, once: JobOnce) -> LogicGraph:
-    """`trace(model, example_inputs)` on the first rank; every rank loads its LogicGraph. The key names
-    the model's class, its state's names, shapes and dtypes and the example's: ranks never load
-    another model's graph, even if their compiles were not in the same order."""
-    described = (type(model).__qualname__,
-                 [(k, tuple(v.shape), str(v.dtype)) for k, v in model.state_dict(keep_vars=True).items()],
-                 [(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else repr(x)
-                  for x in pytree.tree_leaves(example_inputs)])
-    key = "logic-" + hashlib.sha256(repr(described).encode()).hexdigest()[:32]
-    payload = once.fetch(key)
+def trace_once(model: torch.nn.Module, example_inputs, cache: SharedCache) -> tuple[LogicGraph, str]:
+    """`model`'s LogicGraph and where it came from: "loaded" (the compile cache, or another rank of
+    this job, traced it) or "traced" (this rank did, and published it). The key is the model's
+    fingerprint (`compiler.fingerprint`: code, settings, state shapes, example inputs), so no rank
+    and no later process loads another model's graph. Every rank, the tracer included, compiles
+    from the loaded bytes, so node names and cache keys are the same everywhere."""
+    key = "logic-" + model_fingerprint(model, example_inputs)
+    payload = cache.get(key, "logic")
     if payload is not None:
-        return loads_logic(payload)
+        try:
+            return loads_logic(payload), "loaded"
+        except Exception as e:  # noqa: BLE001 - an entry another torch build wrote, say: trace again
+            cache.report(f"a cached LogicGraph did not load ({type(e).__name__}: {e}); the model is traced again")
     try:
         logic = trace(model, example_inputs)
     except BaseException:
-        once.failed(key)
+        cache.failed(key)
         raise
-    if once.store is None:
-        return logic  # alone: nobody to share it with
     try:
         payload = dumps_logic(logic)
     except Exception:  # noqa: BLE001 - a node value logic_io cannot write: every rank traces for itself
-        once.failed(key)
-        return logic
-    once.publish(key, payload)
-    return loads_logic(payload)  # this rank too: every rank compiles the same graph, down to node names
+        cache.failed(key)
+        return logic, "traced"
+    cache.put(key, payload, "logic")
+    return loads_logic(payload), "traced"
 
 
-class SharedDecisions:
-    """The `cache` that `compiler.program.lower_program` consults (get / put / failed, and `key(...)`
-    as `DecisionCache.key`): the persistent cache first, then the decisions another rank searched
-    (which then go on this rank's disk too: ranks on other hosts have other disks)."""
+class SharedCache:
+    """The compile cache as compiling consults it (`compiler.program.lower_program`, `trace_once`):
+    this host's disk first, then, for what every rank computes alike (a LogicGraph, a graph's
+    decisions), what another rank of the job computed, which then goes on this rank's disk too (ranks
+    on other hosts have other disks). A rank's own lowered programs ("program") stay on its disk.
+    A `get` that returns None for a shared kind makes this rank the one to compute it: `put` or `failed`."""
 
-    key = staticmethod(DecisionCache.key)
+    key = staticmethod(CompileCache.key)
+    _SHARED = ("decisions", "logic")
 
-    def __init__(self, disk: DecisionCache | None, once: JobOnce):
+    def __init__(self, disk: CompileCache | None, once: JobOnce):
         self.disk, self.once = disk, once
 
-    def get(self, key: str):
+    def get(self, key: str, kind: str = "decisions"):
         if self.disk is not None:
-            value = self.disk.get(key)
+            value = self.disk.get(key, kind)
             if value is not None:
                 return value
+        if kind not in self._SHARED:
+            return None
         payload = self.once.fetch(key)
         if payload is None:
             return None
         value = pickle.loads(payload)
         if self.disk is not None:
-            self.disk.put(key, value)  # on this host's disk too (another host's rank may have searched)
+            self.disk.put(key, value)
         return value
 
-    def put(self, key: str, value) -> None:
+    def put(self, key: str, value, kind: str = "decisions") -> None:
         if self.disk is not None:
             self.disk.put(key, value)
+        if kind not in self._SHARED:
+            return
         try:
             payload = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception:  # noqa: BLE001 - the waiting ranks search for themselves
+        except Exception:  # noqa: BLE001 - the waiting ranks compute for themselves
             payload = _FAILED
         self.once.publish(key, payload)
 
     def failed(self, key: str) -> None:
         self.once.failed(key)
-
-    def get_local(self, key: str):
-        return None if self.disk is None else self.disk.get_local(key)
-
-    def put_local(self, key: str, value) -> None:
-        if self.disk is not None:
-            self.disk.put_local(key, value)
 
     def report(self, message: str) -> None:
         if self.disk is not None:
