@@ -65,17 +65,17 @@ def _setting(value, depth: int = 0):
     """A value as text that is the same in every process (no memory addresses)."""
     if isinstance(value, _PLAIN):
         return repr(value)
-    if depth < 3 and isinstance(value, (tuple, list, set, frozenset)):
+    if depth < 6 and isinstance(value, (tuple, list, set, frozenset)):
         items = [_setting(v, depth + 1) for v in value]
         return (type(value).__name__, sorted(items) if isinstance(value, (set, frozenset)) else items)
-    if depth < 3 and isinstance(value, dict):
+    if depth < 6 and isinstance(value, dict):
         return ("dict", sorted((repr(k), _setting(v, depth + 1)) for k, v in value.items()))
     if isinstance(value, (nn.Module, torch.Tensor)):
         return type(value).__qualname__  # submodules and tensors are fingerprinted on their own
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return (type(value).__qualname__, _setting(dataclasses.asdict(value), depth + 1))
     to_dict = getattr(value, "to_dict", None)  # a Hugging Face PretrainedConfig
-    if callable(to_dict) and depth < 3:
+    if callable(to_dict) and depth < 6:
         try:
             return (type(value).__qualname__, _setting(to_dict(), depth + 1))
         except Exception:  # noqa: BLE001 - a to_dict that needs arguments: not a config

@@ -119,6 +119,45 @@ class GraphSharding:
         return ShardingDecisions(ops, frozenset(n.name for n in self.keep_partial))
 
 
+def reads_coordinate(sharding: GraphSharding, graph: fx.Graph, mesh_dim: int, extra: tuple = ()) -> bool:
+    """Could this rank's program for `sharding` depend on its coordinate on mesh dim `mesh_dim`?
+
+    Lowering reads a rank's coordinate only to take its own piece of a value: a redistribution into
+    a Shard (or _StridedShard) on that dim (which chunk, and with uneven shards its size), a
+    vocab-parallel _MaskPartial there (its index offset), and seeded random ops (DTensor's RNG
+    offsets). Two such pieces are the same on every rank: an even piece of a fresh tensor (zeros,
+    full: every chunk holds the same values) and an even reduce-scatter (the collective picks the
+    chunk). Without any other, ranks that differ only on `mesh_dim` and have the same local shapes
+    lower the same program, so one of them lowers it for all (data parallelism's ranks, whose batch
+    pieces are their own inputs). `extra`: (have, want) spec pairs the output plan redistributes."""
+    def masked(p) -> bool:
+        return type(p).__name__ == "_MaskPartial"
+
+    def reads(have, want, source=None) -> bool:
+        if not isinstance(have, dt.DTensorSpec) or not isinstance(want, dt.DTensorSpec):
+            return False
+        a, b = have.placements[mesh_dim], want.placements[mesh_dim]
+        if masked(a) or masked(b):
+            return True
+        if a == b or not isinstance(b, (dt.Shard, dt.StridedShard)):
+            return False
+        even = isinstance(b, dt.Shard) and want.shape[b.dim] % want.mesh.size(mesh_dim) == 0
+        return not (even and (a.is_partial() or (source is not None and _is_fresh(source))))
+
+    if any(n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
+           for n in graph.nodes):
+        return True
+    for d in sharding.decisions.values():
+        if d.kind != "op":
+            continue
+        if any(reads(h, w, n) for n, h, w in zip(d.tensor_nodes, d.in_specs, d.want_specs)):
+            return True
+        if reads(d.out_spec, d.reduce_to) or any(
+                reads(o, o) for o in (d.out_spec if isinstance(d.out_spec, (tuple, list)) else (d.out_spec,))):
+            return True
+    return any(reads(h, w) for h, w in extra)
+
+
 def _mentions(encoded, kinds: tuple[str, ...]) -> bool:
     """Does an encoded decision hold a placement of one of `kinds` ("SS", "SSin", ...)?"""
     if isinstance(encoded, (tuple, list)):

@@ -31,7 +31,15 @@ from . import _dtensor as dt
 from ._torch import pytree
 from .cache import CompileCache
 from .logic_io import dumps_program, loads_program
-from .lower import BUCKET_BYTES, OutputPlan, ShardingDecisions, StageOutputPlan, lower, propagate_graph
+from .lower import (
+    BUCKET_BYTES,
+    OutputPlan,
+    ShardingDecisions,
+    StageOutputPlan,
+    lower,
+    propagate_graph,
+    reads_coordinate,
+)
 from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
 from .trace import LogicGraph
@@ -81,7 +89,7 @@ class StageProgram:
     propagate_seconds: float = 0.0  # of which deciding placements (DTensor's strategy search, or a replay)
     decisions: ShardingDecisions | None = None  # the placements decided, apart from shapes
     replayed: int = 0  # ops whose placements were replayed from earlier decisions
-    loaded: bool = False  # the ExecGraph came from the persistent cache, not from tracing it again
+    loaded: bool = False  # the ExecGraph was not traced here: the compile cache or another dp rank had it
 
 
 def _concrete(size, values: dict) -> int:
@@ -111,6 +119,16 @@ def _constants(graph: fx.Graph) -> str:
 def _leaves(graph: fx.Graph) -> list[fx.Node]:
     out = next(n for n in graph.nodes if n.op == "output")
     return pytree.tree_leaves(out.args[0])
+
+
+def _plan_redistributions(plan, output_specs: list) -> tuple:
+    """The (have, want) spec pairs the end of a program redistributes: gradients, once reduced, into
+    their parameters' layouts; a stage's sent values into the neighbour's."""
+    if isinstance(plan, StageOutputPlan):
+        return tuple((output_specs[i], want) for i, want in plan.sent)
+    reduced = [dt.DTensorSpec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements),
+                              s.tensor_meta) for s in output_specs[plan.num_losses:]]
+    return tuple(zip(reduced, plan.param_specs))
 
 
 def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buffers: list[torch.Tensor],
@@ -187,23 +205,31 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         list(range(n_out, n_out + n_losses)) + (list(range(n_out + n_losses, n_out + n_losses + n_p)) if train else [])
     groups = [mesh.get_group(i).group_name for i in range(ndim)]
 
-    def program_key(decisions: ShardingDecisions) -> str:
-        # propagation is a function of the graph, the specs and the decisions it replays: so is the program
-        return cache.key("program", *what, tuple(map(tuple, local_shapes)), tuple(mesh.get_coordinate()),
+    dp_dim = axis.get("dp") if dp > 1 else None
+
+    def program_key(decisions: ShardingDecisions, any_dp: bool = False) -> str:
+        # propagation is a function of the graph, the specs and the decisions it replays: so is the
+        # program, with this rank's coordinate (`any_dp`: one program for every dp coordinate)
+        coordinate = tuple(None if any_dp and i == dp_dim else c for i, c in enumerate(mesh.get_coordinate()))
+        return cache.key("program", *what, tuple(map(tuple, local_shapes)), coordinate,
                          train, reduce, logic.split_loss, str(where.device), BUCKET_BYTES,
                          _canonical(decisions), _constants(graph))
 
+    def load(entry):
+        try:
+            data, encoded_specs = entry
+            return loads_program(data, groups), [dt.decode_spec(mesh, e) for e in encoded_specs]
+        except Exception as e:  # noqa: BLE001 - an entry from another torch build, say: lower it again
+            cache.report(f"a cached ExecGraph did not load ({type(e).__name__}: {e}); it is lowered again")
+            return None, None
+
     sharding, propagate_seconds, gm, deferred_specs = None, 0.0, None, None
     if cache is not None and decided is not None:  # this rank's very program, lowered by an earlier process
-        entry = cache.get(program_key(decided), "program")
-        if entry is not None:
-            try:
-                data, encoded_specs = entry
-                gm = loads_program(data, groups)
-                deferred_specs = [dt.decode_spec(mesh, e) for e in encoded_specs]
-            except Exception as e:  # noqa: BLE001 - an entry from another torch build, say: lower it again
-                gm = None
-                cache.report(f"a cached ExecGraph did not load ({type(e).__name__}: {e}); it is lowered again")
+        for any_dp in ((True, False) if dp_dim is not None else (False,)):
+            entry = cache.get(program_key(decided, any_dp), "program")
+            if entry is not None:
+                gm, deferred_specs = load(entry)
+                break
     loaded = gm is not None
     if loaded:
         decisions = decided  # nothing propagated: the program already holds what the decisions lead to
@@ -231,16 +257,39 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 first_grad_in = n_out + n_losses + n_p
                 sent += [(first_grad_in + k, specs[n_p + n_b + n_i + k]) for k in range(n_acts_in)]
             plan = StageOutputPlan(forward_outputs=tuple(range(n_out + n_losses)), sent=tuple(sent))
-        gm = lower(graph, sharding, local, plan, mesh, device=where.device)
-        deferred_specs = [sharding.output_specs[i] for i in deferred]
-        if cache is not None:
+        # ranks that differ only in their dp coordinate lower the same program unless it reads that
+        # coordinate (`lower.reads_coordinate`): the first to get here lowers it for the others
+        shared = None
+        if cache is not None and dp_dim is not None and not reads_coordinate(
+                sharding, graph, dp_dim, _plan_redistributions(plan, sharding.output_specs)):
+            shared = program_key(decided if decided is not None else decisions, any_dp=True)
+            entry = cache.get(shared, "shared program")
+            if entry is not None:
+                gm, deferred_specs = load(entry)
+                loaded = gm is not None
+                shared = None  # nothing to publish: another rank (or an earlier process) lowered it
+        if gm is None:
             try:
-                data = dumps_program(gm, {name: i for i, name in enumerate(groups)})
-            except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
-                data = None
+                gm = lower(graph, sharding, local, plan, mesh, device=where.device)
+            except BaseException:
+                if shared is not None:
+                    cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)
+                raise
+            deferred_specs = [sharding.output_specs[i] for i in deferred]
+            data = None
+            if cache is not None:
+                try:
+                    data = dumps_program(gm, {name: i for i, name in enumerate(groups)})
+                except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
+                    data = None
             if data is not None:
-                cache.put(program_key(decided if decided is not None else decisions),
-                          (data, [dt.encode_spec(s) for s in deferred_specs]), "program")
+                entry = (data, [dt.encode_spec(s) for s in deferred_specs])
+                if shared is not None:
+                    cache.put(shared, entry, "shared program")
+                else:
+                    cache.put(program_key(decided if decided is not None else decisions), entry, "program")
+            elif shared is not None:
+                cache.failed(shared)
     gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
                             "local_shapes": tuple(local_shapes), "sharding": sharding}
     recv_acts = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i:n_p + n_b + n_i + n_acts_in]]

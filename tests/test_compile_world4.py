@@ -67,9 +67,37 @@ def check_replayed_decisions_equal_a_fresh_lowering():
     return replay_equals_fresh("llama", hs.DistConfig("dp2tp2", dp=2, tp=2))
 
 
-results = dist_fixture(4, [check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
-                           check_collectives_gpt, check_collectives_llama, check_wrong_device_count,
-                           check_replayed_decisions_equal_a_fresh_lowering])
+def check_dp_ranks_lower_one_program():
+    """Ranks that differ only in their dp coordinate, with equal local batches, run one lowering
+    between them (the others load its program), and every rank's numbers are still exact."""
+    import os
+
+    from tests.compile_checks import reference, rel_err
+
+    model = make_model("gpt")
+    ids, labels = batch(batch=4)
+    loss_ref, grads_ref = reference(model, ids, labels)
+    os.environ["HOTSWITCH_CACHE"] = "0"  # no disk: what is shared comes from the other ranks of this job
+    try:
+        cm = hs.compile(model, (ids, labels), configs=CONFIGS[:2])  # dp4, dp2tp2
+    finally:
+        del os.environ["HOTSWITCH_CACHE"]
+    out = {}
+    for config in CONFIGS[:2]:
+        cm.switch(config.name)
+        cm.zero_grad()
+        loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
+        grads = cm.full_grads()
+        (program,) = cm._state(config.name).programs.values()
+        out[config.name] = dict(loaded=program.loaded, coordinate=tuple(cm._state(config.name).mesh.get_coordinate()),
+                                loss_err=abs(loss.item() - loss_ref.item()) / loss_ref.item(),
+                                grad_err=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
+    return out
+
+
+results = dist_fixture(4, [check_dp_ranks_lower_one_program, check_gpt_equivalence, check_llama_equivalence,
+                           check_gpt2_equivalence, check_collectives_gpt, check_collectives_llama,
+                           check_wrong_device_count, check_replayed_decisions_equal_a_fresh_lowering])
 
 
 def test_gpt_matches_single_device(results):
@@ -134,3 +162,13 @@ def test_a_new_length_replays_decisions_and_equals_a_fresh_lowering(results):
         assert replayed["collectives"] == fresh["collectives"] and fresh["collectives"]
         assert replayed["loss"] == fresh["loss"]
         assert all(torch.equal(replayed["grads"][k], v) for k, v in fresh["grads"].items())
+
+
+def test_dp_ranks_lower_one_program_for_all(results):
+    ranks = results["check_dp_ranks_lower_one_program"].raise_if_failed()
+    assert sum(not r["dp4"]["loaded"] for r in ranks) == 1  # one of the four lowered dp4
+    lowered = [r["dp2tp2"]["coordinate"] for r in ranks if not r["dp2tp2"]["loaded"]]
+    assert sorted(c[1] for c in lowered) == [0, 1], lowered  # one rank per tp coordinate lowered dp2tp2
+    for r in ranks:
+        for name in ("dp4", "dp2tp2"):
+            assert r[name]["loss_err"] <= 1e-5 and r[name]["grad_err"] <= 1e-5, (name, r)

@@ -96,12 +96,13 @@ def trace_once(model: torch.nn.Module, example_inputs, cache: SharedCache) -> tu
 class SharedCache:
     """The compile cache as compiling consults it (`compiler.program.lower_program`, `trace_once`):
     this host's disk first, then, for what every rank computes alike (a LogicGraph, a graph's
-    decisions), what another rank of the job computed, which then goes on this rank's disk too (ranks
-    on other hosts have other disks). A rank's own lowered programs ("program") stay on its disk.
+    decisions, a program every dp rank lowers alike: "shared program"), what another rank of the job
+    computed, which then goes on this rank's disk too (ranks on other hosts have other disks). A
+    rank's own lowered programs ("program") stay on its disk.
     A `get` that returns None for a shared kind makes this rank the one to compute it: `put` or `failed`."""
 
     key = staticmethod(CompileCache.key)
-    _SHARED = ("decisions", "logic")
+    _SHARED = ("decisions", "logic", "shared program")
 
     def __init__(self, disk: CompileCache | None, once: JobOnce):
         self.disk, self.once = disk, once
