@@ -139,3 +139,6 @@ def default_cache() -> CompileCache | None:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         directory = os.path.join(base, "hotswitch")
     return CompileCache(directory)
+
+
+_version()  # read the compiler's source now, as imported, not when the first key is made

@@ -22,6 +22,7 @@ import dataclasses
 import enum
 import functools
 import hashlib
+import inspect
 import os
 import sys
 import sysconfig
@@ -32,15 +33,26 @@ from torch import nn
 
 from ._torch import pytree
 
-__all__ = ["files_digest", "model_fingerprint"]
+__all__ = ["Fingerprint", "files_digest", "model_fingerprint"]
 
 _PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, enum.Enum)
 _MAX_PACKAGE_FILES = 400  # a local package larger than this is named by its defining files only
 
 
-def model_fingerprint(model: nn.Module, example_inputs) -> str:
-    """A hex digest that changes whenever a trace of `model(example_inputs)` could."""
+@dataclasses.dataclass(frozen=True)
+class Fingerprint:
+    """`digest` changes whenever a trace could; `persistent` is False when the code of one of the
+    model's classes cannot be read (a class typed at a plain `python` prompt): the digest then names
+    the model only within this job, and nothing is cached for it on disk."""
+
+    digest: str
+    persistent: bool
+
+
+def model_fingerprint(model: nn.Module, example_inputs) -> Fingerprint:
+    """What a trace of `model(example_inputs)` depends on, as one digest (see the module doc)."""
     h = hashlib.sha256()
+    persistent = True
 
     def add(*parts) -> None:
         for part in parts:
@@ -49,7 +61,11 @@ def model_fingerprint(model: nn.Module, example_inputs) -> str:
 
     classes = {type(m) for m in model.modules()}
     for cls in sorted(classes, key=lambda c: (c.__module__, c.__qualname__)):
-        add("class", cls.__module__, cls.__qualname__, _code_of(cls.__module__))
+        code = _code_of(cls.__module__) if getattr(sys.modules.get(cls.__module__), "__file__", None) \
+            else _class_source(cls)
+        if code is None:
+            persistent, code = False, "unreadable"
+        add("class", cls.__module__, cls.__qualname__, code)
     for name, module in model.named_modules():
         add("module", name, sorted((k, _setting(v)) for k, v in vars(module).items()
                                    if not k.startswith("_") or k in ("_version",)))
@@ -58,7 +74,7 @@ def model_fingerprint(model: nn.Module, example_inputs) -> str:
     leaves, spec = pytree.tree_flatten(example_inputs)
     add("inputs", str(spec), [(tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else _setting(x)
                               for x in leaves])
-    return h.hexdigest()
+    return Fingerprint(h.hexdigest(), persistent)
 
 
 def _setting(value, depth: int = 0):
@@ -92,10 +108,7 @@ def _code_of(module_name: str):
     (a notebook that edits and reloads its model gets a new key)."""
     module = sys.modules.get(module_name)
     top = module_name.split(".")[0]
-    path = getattr(module, "__file__", None)
-    if path is None:
-        return ("no source", module_name)
-    path = Path(path).resolve()
+    path = Path(module.__file__).resolve()
     if _installed(path):
         version = getattr(sys.modules.get(top), "__version__", None)
         if version is not None and top != "hotswitch":
@@ -120,6 +133,15 @@ def _code_of(module_name: str):
 @functools.lru_cache(maxsize=256)
 def _digest_of(stamps: tuple, root: Path) -> str:
     return files_digest([Path(f) for f, _, _ in stamps], root)
+
+
+def _class_source(cls: type):
+    """A class defined where there is no file (a notebook cell, `python -c`): its own source text
+    if the interpreter kept it (IPython does), else None."""
+    try:
+        return ("class source", hashlib.sha256(inspect.getsource(cls).encode()).hexdigest())
+    except (OSError, TypeError):
+        return None
 
 
 def _installed(path: Path) -> bool:

@@ -8,8 +8,15 @@ import time
 
 import torch
 
-from hotswitch.compiler.fingerprint import model_fingerprint
+from hotswitch.compiler.fingerprint import model_fingerprint as _fingerprint
 from hotswitch.models import build_hf_model, build_model
+
+
+def model_fingerprint(model, example_inputs) -> str:
+    fp = _fingerprint(model, example_inputs)
+    assert fp.persistent  # every model here has its code in a file
+    return fp.digest
+
 
 IDS = torch.zeros(2, 8, dtype=torch.long)
 
@@ -90,3 +97,11 @@ def test_edited_code_changes_it_even_in_a_helper_module(tmp_path):
     other = _load(tmp_path, "othermodel", {"__init__.py": "", "model.py": MODEL,
                                            "helpers.py": "import torch\nact = torch.relu\n"})
     assert model_fingerprint(other.Net(), (x,)) != first
+
+
+def test_a_class_without_readable_source_is_not_cached_on_disk():
+    namespace = {}
+    exec("import torch\nclass Typed(torch.nn.Module):\n    def forward(self, x):\n        return x.sum()\n", namespace)
+    namespace["Typed"].__module__ = "hotswitch_no_such_module"  # as a class typed at a `python` prompt
+    fp = _fingerprint(namespace["Typed"](), (torch.zeros(2, 3),))
+    assert not fp.persistent and len(fp.digest) == 64

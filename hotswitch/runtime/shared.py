@@ -72,8 +72,9 @@ def trace_once(model: torch.nn.Module, example_inputs, cache: SharedCache) -> tu
     fingerprint (`compiler.fingerprint`: code, settings, state shapes, example inputs), so no rank
     and no later process loads another model's graph. Every rank, the tracer included, compiles
     from the loaded bytes, so node names and cache keys are the same everywhere."""
-    key = "logic-" + model_fingerprint(model, example_inputs)
-    payload = cache.get(key, "logic")
+    fingerprint = model_fingerprint(model, example_inputs)
+    key, persistent = "logic-" + fingerprint.digest, fingerprint.persistent
+    payload = cache.get(key, "logic", persistent=persistent)
     if payload is not None:
         try:
             return loads_logic(payload), "loaded"
@@ -89,7 +90,7 @@ def trace_once(model: torch.nn.Module, example_inputs, cache: SharedCache) -> tu
     except Exception:  # noqa: BLE001 - a node value logic_io cannot write: every rank traces for itself
         cache.failed(key)
         return logic, "traced"
-    cache.put(key, payload, "logic")
+    cache.put(key, payload, "logic", persistent=persistent)
     return loads_logic(payload), "traced"
 
 
@@ -107,8 +108,8 @@ class SharedCache:
     def __init__(self, disk: CompileCache | None, once: JobOnce):
         self.disk, self.once = disk, once
 
-    def get(self, key: str, kind: str = "decisions"):
-        if self.disk is not None:
+    def get(self, key: str, kind: str = "decisions", persistent: bool = True):
+        if self.disk is not None and persistent:
             value = self.disk.get(key, kind)
             if value is not None:
                 return value
@@ -118,12 +119,12 @@ class SharedCache:
         if payload is None:
             return None
         value = pickle.loads(payload)
-        if self.disk is not None:
+        if self.disk is not None and persistent:
             self.disk.put(key, value)
         return value
 
-    def put(self, key: str, value, kind: str = "decisions") -> None:
-        if self.disk is not None:
+    def put(self, key: str, value, kind: str = "decisions", persistent: bool = True) -> None:
+        if self.disk is not None and persistent:
             self.disk.put(key, value)
         if kind not in self._SHARED:
             return
