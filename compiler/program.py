@@ -139,8 +139,9 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`);
     `decided`: the same graph's decisions under the same placements at another shape, replayed
     instead of searched (the program's `decisions` are what to pass next time); `cache`: a persistent
-    CompileCache (or runtime.shared.SharedCache) consulted for the decisions when `decided` is None
-    (filled after a search) and for this rank's program."""
+    CompileCache, or one with its get / put / key / failed / report that also shares entries between
+    ranks (the runtime's), consulted for the decisions when `decided` is None (filled after a
+    search) and for this rank's program ("program"; "shared program" for one every dp rank lowers alike)."""
     t0 = time.perf_counter()
     if reduce and stage is not None:
         raise ValueError("reduce=True lowers a whole model (stage=None); pipeline stages defer their reduction")
