@@ -24,10 +24,13 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial
 
+MaskPartial = _MaskPartial  # DTensor's vocab-parallel embedding partial: its offset is a rank's own
+
 __all__ = [
     "DTensorSpec", "DeviceMesh", "OpSchema", "OutputSharding", "Partial", "Placement", "Replicate",
     "Shard", "StridedShard", "make_spec", "propagate", "propagation", "redistribute", "local_shape", "has_rule",
     "torch_functions", "from_local", "encode_placements", "decode_placements", "encode_spec", "decode_spec",
+    "MaskPartial",
 ]
 
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402

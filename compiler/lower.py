@@ -130,14 +130,11 @@ def reads_coordinate(sharding: GraphSharding, graph: fx.Graph, mesh_dim: int, ex
     chunk). Without any other, ranks that differ only on `mesh_dim` and have the same local shapes
     lower the same program, so one of them lowers it for all (data parallelism's ranks, whose batch
     pieces are their own inputs). `extra`: (have, want) spec pairs the output plan redistributes."""
-    def masked(p) -> bool:
-        return type(p).__name__ == "_MaskPartial"
-
     def reads(have, want, source=None) -> bool:
         if not isinstance(have, dt.DTensorSpec) or not isinstance(want, dt.DTensorSpec):
             return False
         a, b = have.placements[mesh_dim], want.placements[mesh_dim]
-        if masked(a) or masked(b):
+        if isinstance(a, dt.MaskPartial) or isinstance(b, dt.MaskPartial):
             return True
         if a == b or not isinstance(b, (dt.Shard, dt.StridedShard)):
             return False

@@ -672,7 +672,7 @@ class CompiledModel:
                                     cache=self._cache)
             st.decisions.setdefault(graph, program.decisions)
             if program.loaded:
-                how = "loaded from the compile cache"
+                how = "loaded: the compile cache or another dp rank had it"
             else:
                 how = f"{program.replayed} placements replayed" if program.replayed else "placements searched"
                 how += f" in {program.propagate_seconds:.1f} s"
