@@ -2,7 +2,7 @@
 
     python benchmarks/config_search.py [--model gpt-small] [--world-size 4] [--lengths 64,256]
                                        [--micro-batch-tokens 1024] [--repeats 8] [--memory-budget-mib M]
-                                       [--json PATH]
+                                       [--rules] [--json PATH]
 
 On `--world-size` gloo processes, a Trainer compiles every config of the search space (dp x tp, sp;
 pp = 1, as the Trainer runs them) at each length (`Trainer.profile`: peak memory from the
@@ -10,7 +10,8 @@ ExecGraph), then one micro-batch of each is timed: the fastest of `--repeats` fo
 runs after a warm-up, each the slowest rank's (the minimum, not the median: on a shared machine
 noise only ever adds time). Then, as `Trainer(configs="auto")` does, only the three calibration configs
 (`search.auto.calibration_configs`) calibrate the cost model, and `search_configs` predicts every
-config. A length's step time is its micro-batches (the same count for prediction and measurement)
+config, its communication priced by the collectives of its ExecGraph (`--rules`: by Megatron's
+rules). A length's step time is its micro-batches (the same count for prediction and measurement)
 times one micro-batch's seconds. Printed per length: predicted and measured seconds of every
 config, the Spearman rank correlation, and whether the measured-fastest config within the budget is
 the predicted-fastest (or within 10% of it); then both over all (config, length) pairs.
@@ -66,7 +67,8 @@ def measure(rank: int, model_name: str, lengths: list[int], micro_batch_tokens: 
             cm.zero_grad()
             probes.append(dataclasses.replace(trainer.cost.probes[(config.name, length)], seconds=best))
     say(f"measured in {time.perf_counter() - t0:.0f} s")
-    return dict(probes=probes, configs=[c.spec() for c in space.configs])
+    comm = trainer.comm_profiles(lengths[0])  # each config's ExecGraph collectives, as `configs="auto"` reads them
+    return dict(probes=probes, configs=[c.spec() for c in space.configs], comm=comm)
 
 
 def spearman(a, b) -> float:
@@ -94,6 +96,8 @@ def main(argv=None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=8)
     p.add_argument("--memory-budget-mib", type=float, default=None)
+    p.add_argument("--rules", action="store_true",
+                   help="price communication by Megatron's rules instead of each config's ExecGraph collectives")
     p.add_argument("--json", default="config_search.json")
     args = p.parse_args(argv)
 
@@ -116,7 +120,8 @@ def main(argv=None) -> int:
     result = search_configs(model, world_size=args.world_size, lengths=lengths, memory_budget_bytes=budget,
                             topology=Topology(args.world_size, args.world_size),
                             micro_batch_tokens=args.micro_batch_tokens, hardware=Hardware.cpu(),
-                            probes=[q for q in probes if q.config in calibrating])
+                            probes=[q for q in probes if q.config in calibrating],
+                            comm_profiles=None if args.rules else out["comm"])
     measured = {(q.config, q.length): q for q in probes}
     rows, report = [], {}
     print(f"\n{args.model} on {args.world_size} gloo processes, {args.micro_batch_tokens} tokens per replica per "

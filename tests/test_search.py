@@ -22,13 +22,13 @@ from hotswitch.search import (
     search_configs,
 )
 from hotswitch.search.auto import calibration_configs, default_lengths
-from hotswitch.search.cost import micro_batch_work
+from hotswitch.search.cost import calibrate_switches, micro_batch_work, optimizer_seconds
 from hotswitch.search.search import default_base
 from hotswitch.switch.cluster import ModelConfig, switch_moves
 from hotswitch.switch.order import plan_order
 from hotswitch.switch.planner import plan_switch
 from hotswitch.switch.simulate import gpu_cluster
-from hotswitch.train.cost_model import NoConfigFits, Probe
+from hotswitch.train.cost_model import NoConfigFits, Probe, SwitchProbe
 
 
 def _meta_model(name, **overrides):
@@ -127,7 +127,7 @@ def test_switching_cost_can_keep_one_config():
 
     def switch(a, b, first):
         moves = switch_moves("gpt3-6.7b", configs[a], configs[b], 16, with_grads=not first)
-        return plan_switch(moves, topo).estimated_seconds
+        return small.rates.switch_seconds(plan_switch(moves, topo).estimated_seconds)
 
     assert plan_order(list(configs), switch, base=base).cost > saved  # ... because switching costs more
     large = search_configs("llama2-7b", topology=topo, lengths={2048: 2**18, 32768: 2**18})
@@ -234,3 +234,87 @@ def test_parameters_per_rank_equal_the_layouts():
             for d in layout.mesh.devices:
                 per_device[d] += layout.numel(d)
         assert params_per_rank(gpt3, config.tp, config.pp) == max(per_device), spec
+
+
+def test_switch_rates_fitted_to_measured_switches_change_the_choice():
+    """Switch prices come from measured switches (on gloo a fixed cost dominates; the planner's
+    estimate on the Topology's links is microseconds): the fit recovers a known fixed cost and scale,
+    and the same frontiers give one config when switches are measured slow, two when they are fast."""
+    rates = Rates.from_hardware(Hardware.cpu())
+    pairs = [(planned, 0.03 + 40 * planned) for planned in (1e-5, 4e-5, 2e-4)]
+    fitted = calibrate_switches(rates, pairs)
+    assert fitted.per_switch == pytest.approx(0.03) and fitted.switch_scale == pytest.approx(40)
+    assert fitted.switches_calibrated_on == 3
+    assert calibrate_switches(rates, [(1e-5, 0.05)]).per_switch == pytest.approx(0.05 - 1e-5)
+    assert calibrate_switches(rates, []) is rates
+
+    model = _meta_model("gpt-small")
+    kwargs = dict(world_size=4, lengths={64: 2**14, 1024: 2**14}, hardware=Hardware.cpu(), zero1=False,
+                  memory_budget_bytes=700 * 2**20)  # dp4 fits the short rows only
+    free = search_configs(model, **kwargs)
+    fastest = {free.fastest(length).name for length in free.lengths}
+    assert len(fastest) == 2  # the lengths' fastest configs differ
+
+    def measured(seconds):
+        return [SwitchProbe(a, b, seconds) for a in fastest for b in fastest if a != b]
+
+    fast = search_configs(model, **kwargs, switch_probes=measured(1e-4))
+    slow = search_configs(model, **kwargs, switch_probes=measured(100.0))
+    assert fast.rates.switches_calibrated_on == 2 and fast.rates.per_switch == pytest.approx(1e-4, rel=0.01)
+    assert {c.name for c in fast.chosen} == fastest and fast.switch_seconds > 0
+    assert len(slow.chosen) == 1 and slow.switch_seconds == 0
+    assert slow.compute_seconds > fast.compute_seconds
+    assert "calibrated on 2 measured switches" in slow.table()
+
+
+def test_zero1_is_chosen_only_where_it_pays_or_is_needed():
+    """ZeRO-1 is a dimension of the space: under a budget that only a split optimizer state meets it is
+    on (and every chosen config fits beside the split state), off when asked, and the optimizer's
+    step is in the expected time either way."""
+    model = _meta_model("gpt-small")
+    topo = Topology(4, 4)
+    kwargs = dict(world_size=4, lengths=[64, 256], hardware=Hardware.cpu())
+    free = search_configs(model, **kwargs)
+    base = DistConfig.parse(free.base)
+    w = describe_workload(model)
+    assert free.optimizer_seconds == pytest.approx(optimizer_seconds(w, base, topo, free.rates, zero1=free.zero1))
+    assert free.expected_seconds == pytest.approx(free.compute_seconds + free.switch_seconds + free.optimizer_seconds)
+    whole = search_configs(model, **kwargs, zero1=False)
+    # a budget between "the chosen configs beside a split state" and "beside the whole state"
+    peaks = max(whole.estimate(n, length).peak_bytes for length, n in whole.assignment.items())
+    optimizer = whole.estimate(whole.base, 64).optimizer_bytes
+    dp = DistConfig.parse(whole.base).dp
+    assert dp > 1
+    budget = peaks + optimizer // dp + optimizer // (4 * dp)
+    tight = search_configs(model, **kwargs, memory_budget_bytes=budget)
+    assert tight.zero1 and "ZeRO-1 on" in tight.table() and tight.assignment == whole.assignment
+    split = tight.base_optimizer_bytes
+    assert split == tight.estimate(tight.base, 64).optimizer_bytes // DistConfig.parse(tight.base).dp
+    for length, name in tight.assignment.items():
+        assert tight.estimate(name, length).peak_bytes + split <= budget
+    # without ZeRO-1 the same budget needs more model-parallel configs: a slower step
+    off = search_configs(model, **kwargs, zero1=False, memory_budget_bytes=budget)
+    assert not off.zero1 and off.assignment != whole.assignment
+    assert off.expected_seconds > tight.expected_seconds
+
+
+def test_comm_profile_prices_activations_by_tokens_and_gradients_once():
+    """A config's ExecGraph collectives (`search.comm`): an activation's scale with the micro-batch's
+    tokens, a gradient reduction's do not; ring bytes per kind; a group that leaves the node is priced
+    on the inter-node link; `micro_batch_work` prices them instead of the rules."""
+    from hotswitch.search.comm import Collective, CommProfile, ring_bytes
+
+    assert ring_bytes("all_reduce", 100, 4) == 150 and ring_bytes("all_gather", 100, 4) == 300
+    assert ring_bytes("reduce_scatter", 100, 4) == 75 and ring_bytes("all_reduce", 100, 1) == 0
+    topo = Topology(8, 4, intra_node_bandwidth=100.0, inter_node_bandwidth=10.0)
+    grads = CommProfile("dp8", 1024, (Collective("all_reduce", 800, 8, 8, per_token=False),))
+    acts = CommProfile("tp4", 1024, (Collective("all_reduce", 400, 4, 4, per_token=True),))
+    assert grads.seconds(1024, topo) == grads.seconds(4096, topo) == pytest.approx(2 * 7 / 8 * 800 / 10.0)
+    assert acts.seconds(2048, topo) == pytest.approx(2 * acts.seconds(1024, topo)) == pytest.approx(2 * 600 / 100.0)
+    w = describe_workload(_meta_model("gpt-small"))
+    config = DistConfig.parse("dp2tp4")
+    work = micro_batch_work(w, config, 256, 4, topo, comm=acts)
+    assert work.comm_seconds == pytest.approx(acts.seconds(1024, topo)) and work.collectives == 1
+    rules = micro_batch_work(w, config, 256, 4, topo)
+    assert (work.flops, work.activation_bytes) == (rules.flops, rules.activation_bytes)
+    assert rules.collectives > 1

@@ -25,9 +25,15 @@ def check_auto_configs_match_single_device():
     steps = _steps_against(trainer, batches, ref)
     search = trainer.search
     measured = [(p.config, p.length, p.rows, p.seconds, search.predicted_probe_seconds(p)) for p in search.probes]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    comm = {name: [(c.kind, c.nbytes, c.group_size, c.per_token) for c in profile.collectives]
+            for name, profile in search.comm_profiles.items()}
     return dict(steps=steps, configs=[c.name for c in trainer.configs], chosen=[c.name for c in search.chosen],
                 assignment=dict(search.assignment), lengths=list(search.lengths), measured=measured,
-                calibrated_on=search.rates.calibrated_on, space={e.name for e in search.estimates[BUCKETS[-1]]})
+                calibrated_on=search.rates.calibrated_on, space={e.name for e in search.estimates[BUCKETS[-1]]},
+                switches=[(p.source, p.destination, p.seconds) for p in search.switch_probes],
+                switch_rates=(search.rates.per_switch, search.rates.switch_scale, search.rates.switches_calibrated_on),
+                zero1=(trainer.zero1, search.zero1), comm=comm, params=params, table=search.table())
 
 
 results = dist_fixture(4, [check_auto_configs_match_single_device], env={"HOTSWITCH_PACK_BACKEND": "torch"})
@@ -58,3 +64,25 @@ def test_calibrated_model_ranks_the_measured_configs(results):
     assert clear, per_token  # dp4 and tp4sp differ by far more than that on gloo
     wrong = [(a[0], b[0]) for a, b in clear if not b[2] > a[2]]
     assert not wrong, (wrong, per_token)
+
+
+def test_auto_prices_switches_and_communication_as_measured_and_compiled(results):
+    """The search prices a switch by switches measured between the calibration configs, every config's
+    communication by the collectives of its ExecGraph, and the Trainer runs with the ZeRO-1 choice."""
+    out = results["check_auto_configs_match_single_device"].raise_if_failed()[0]
+    timed = {"dp4", "dp2tp2", "tp4sp"}
+    assert {(a, b) for a, b, _ in out["switches"]} == {(a, b) for a in timed for b in timed if a != b}
+    assert all(seconds > 0 for *_, seconds in out["switches"])
+    per_switch, scale, fitted_on = out["switch_rates"]
+    assert fitted_on == 6 and per_switch + scale > 0
+    assert out["zero1"][0] == out["zero1"][1]
+    assert set(out["comm"]) == out["space"]
+    assert "from the collectives of their ExecGraphs" in out["table"]
+    # dp4 communicates gradients only: one all-reduce per bucket, every parameter's bytes once
+    # (the loss's numerator and denominator ride along)
+    dp4 = out["comm"]["dp4"]
+    assert dp4 and all(kind == "all_reduce" and size == 4 and not per_token for kind, _, size, per_token in dp4)
+    assert 0 <= sum(nbytes for _, nbytes, *_ in dp4) - out["params"] <= 64
+    # tensor parallelism moves activations inside every micro-batch
+    for name in ("dp2tp2", "tp4", "tp4sp"):
+        assert any(per_token and size in (2, 4) for _, _, size, per_token in out["comm"][name]), name

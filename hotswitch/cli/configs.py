@@ -2,6 +2,7 @@
 between (pure planning: no processes, nothing runs)."""
 from __future__ import annotations
 
+import argparse
 import time
 
 from hotswitch.cli.common import HelpFormatter, add_json_argument
@@ -32,7 +33,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=None,
                    help="tokens per data-parallel replica per micro-batch (default 1024; 2048 for cluster models)")
     p.add_argument("--memory-budget-mib", type=float, default=None, help="per-rank memory budget in MiB")
-    p.add_argument("--zero1", action="store_true", help="the base config shards Adam states over its dp ranks")
+    p.add_argument("--zero1", action=argparse.BooleanOptionalAction, default=None,
+                   help="the base config shards Adam states over its dp ranks (--no-zero1: never; default: "
+                        "whichever is cheaper within the budget)")
     p.add_argument("--all", action="store_true", help="list every config, not only the Pareto front")
     p.add_argument("--gpu", action="store_true", help="price a built-in model with H100 rates instead of CPU ones")
     p.add_argument("--plot", default="configs.png", metavar="PATH", help="where to draw time vs memory ('' for "

@@ -6,7 +6,11 @@ data-parallel, the most tensor-parallel with SP, and one between) are measured a
 the longest length (six micro-batches: more than the model's four time terms) by a Trainer of those
 configs (`Trainer.profile`: compiled ExecGraphs, the compiler's peak memory, timed forward +
 backward, the slowest rank; the Trainer hands that in as `measure`, so this layer does not import
-the Trainer). The rates fitted to them (`cost.calibrate`) price every config, and the candidate set
+the Trainer), and so is every switch between them (`Trainer.measure_switches`: on gloo a switch's
+fixed cost dwarfs its transfers, on NCCL it does not). The rates fitted to them (`cost.calibrate`,
+`cost.calibrate_switches`) price every config and every switch; every config of the space is
+lowered at the shortest length (not run) so that its communication is priced by the collectives its
+ExecGraph issues (`search.comm`), not by Megatron's rules. The candidate set
 the search chooses is what the user's Trainer then runs; it profiles those configs at its own
 buckets and assigns them per bucket as usual. Collective: call on every rank.
 """
@@ -60,12 +64,14 @@ def calibration_configs(configs: Sequence[DistConfig]) -> list[DistConfig]:
 
 def auto_configs(model: torch.nn.Module, measure: Callable[[list[DistConfig], list[int]], list], *,
                  memory_budget_bytes: int | None, lengths: Sequence[int] | None, micro_batch_tokens: int,
-                 length_multiple: int = 16, topology: Topology | None = None, zero1: bool = False,
+                 length_multiple: int = 16, topology: Topology | None = None, zero1: bool | None = None,
                  compute_dtype: torch.dtype | None = None,
                  progress: Callable[[str], None] | None = None) -> tuple[list[DistConfig], SearchResult]:
-    """The configs `Trainer(configs="auto")` trains with, and the search that chose them. `measure(configs,
-    lengths)` returns measured probes (`train.cost_model.Probe`) of those configs at those lengths: the
-    Trainer passes a function that profiles a Trainer of them. See the module doc."""
+    """The configs `Trainer(configs="auto")` trains with, and the search that chose them (its `zero1`
+    too, when `zero1` is None). `measure(space, timed, lengths)` returns measured probes
+    (`train.cost_model.Probe`) of the `timed` configs at those lengths, measured switches between
+    them (`SwitchProbe`) and every config of `space`'s `CommProfile` (its ExecGraph's collectives):
+    the Trainer passes a function that does so with a Trainer of the space. See the module doc."""
     say = progress or (lambda message: None)
     world = dist.get_world_size()
     topology = topology or Topology.from_env(world)
@@ -79,10 +85,10 @@ def auto_configs(model: torch.nn.Module, measure: Callable[[list[DistConfig], li
     probe_lengths = [L for L in probe_lengths if all(not c.sp or L % c.tp == 0 for c in probe_configs)] or lengths
     say(f"auto configs: measuring {', '.join(c.name for c in probe_configs)} at lengths {probe_lengths} "
         "to calibrate the cost model")
-    probes = measure(probe_configs, probe_lengths)
+    probes, switch_probes, comm = measure(list(space.configs), probe_configs, probe_lengths)
     result = search_configs(workload, world_size=world, lengths=lengths, memory_budget_bytes=memory_budget_bytes,
                             topology=topology, micro_batch_tokens=micro_batch_tokens, probes=probes,
-                            hardware=hardware, zero1=zero1)
-    say(f"auto configs: {', '.join(c.name for c in result.chosen)} (predicted step "
-        f"{result.expected_seconds:.3g} s over lengths {list(result.lengths)})")
+                            switch_probes=switch_probes, comm_profiles=comm, hardware=hardware, zero1=zero1)
+    say(f"auto configs: {', '.join(c.name for c in result.chosen)}{' with ZeRO-1' if result.zero1 else ''} "
+        f"(predicted step {result.expected_seconds:.3g} s over lengths {list(result.lengths)})")
     return list(result.chosen), result

@@ -27,6 +27,13 @@ squares, so a CPU with gloo (where a collective costs milliseconds) and a GPU wi
 priced by their own numbers. A pipeline runs its slowest stage (`cluster.split_stages`) for
 micro-batches + pp - 1 slots (1F1B and GPipe alike).
 
+**A step's other costs.** A switch between configs costs `per_switch` + `switch_scale` x the
+planner's estimate of its transfers on the Topology's links (`Rates.switch_seconds`; fitted to
+measured switches by `calibrate_switches`: on gloo the fixed cost dominates, on NCCL the bytes). The
+optimizer runs once per step in the base config: AdamW's passes over the base's parameters per rank
+(1/dp of them under ZeRO-1, plus an all-gather of the updated masters), priced by `per_byte`
+(`optimizer_seconds`).
+
 **Memory** per rank = resident state + activations. State: compute weights, fp32 gradient
 accumulators and the graph's own gradients (`Trainer.state_bytes` plus what `compiler.memory` counts
 of the graph's outputs); the base config additionally holds fp32 masters (unless compute is fp32)
@@ -39,7 +46,7 @@ Trainer's probes report `compiler.memory.estimate_peak_bytes` of the real ExecGr
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -49,9 +56,11 @@ from hotswitch.compiler.tp_rules import heads_sharded
 from hotswitch.distconfig import DistConfig, Topology
 from hotswitch.switch.cluster import describe_model, split_stages
 
+from .comm import CommProfile, link_bandwidth
 from .workload import Workload
 
-__all__ = ["Estimate", "Hardware", "Rates", "Work", "calibrate", "estimate", "micro_batch_work", "rows_per_replica"]
+__all__ = ["Estimate", "Hardware", "Rates", "Work", "calibrate", "calibrate_switches", "estimate", "micro_batch_work",
+           "optimizer_seconds", "rows_per_replica"]
 
 BUCKET_BYTES = 25 * 2**20  # the compiler's gradient bucket (DDP's default): one all-reduce each
 GRAD_ACCUMULATOR_BYTES = 4  # fp32 gradient accumulators (Trainer: cm.grad_dtype = float32)
@@ -67,11 +76,12 @@ class Hardware:
     flops_per_second: float = 0.4 * 989e12
     bytes_per_second: float = 0.6 * 3.35e12
     collective_latency: float = 20e-6
+    switch_latency: float = 2e-3  # a switch's fixed cost: the plan's agreement, packing, one call per slice
 
     @classmethod
     def cpu(cls) -> Hardware:
-        """One CPU core per rank with gloo (about a millisecond per collective call)."""
-        return cls(flops_per_second=30e9, bytes_per_second=5e9, collective_latency=1e-3)
+        """One CPU core per rank with gloo (about a millisecond per collective call, tens per switch)."""
+        return cls(flops_per_second=30e9, bytes_per_second=5e9, collective_latency=1e-3, switch_latency=20e-3)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,12 +96,20 @@ class Rates:
     activation_scale: float = 1.0  # measured / modelled activation bytes of the blocks
     head_activation_scale: float = 1.0  # measured / modelled activation bytes of the LM head and loss
     graph_grad_scale: float = 1.0  # graph-held gradients, in units of one gradient per parameter
+    per_switch: float = 2e-3  # fixed seconds of one switch between configs
+    switch_scale: float = 1.0  # measured / planner-estimated seconds of a switch's transfers
     calibrated_on: int = 0  # measured micro-batches the rates were fitted to (0: Hardware defaults)
+    switches_calibrated_on: int = 0  # measured switches `per_switch` and `switch_scale` were fitted to
 
     @classmethod
     def from_hardware(cls, hardware: Hardware) -> Rates:
         return cls(1 / hardware.flops_per_second, 1 / hardware.bytes_per_second,
-                   per_collective=hardware.collective_latency)
+                   per_collective=hardware.collective_latency, per_switch=hardware.switch_latency)
+
+    def switch_seconds(self, planned_seconds: float) -> float:
+        """A switch whose plan the planner estimates at `planned_seconds` (its transfers on the
+        Topology's links): that scaled, plus the fixed cost every switch pays."""
+        return self.per_switch + self.switch_scale * planned_seconds
 
     def seconds(self, work: Work) -> float:
         return (work.flops * self.per_flop + work.traffic_bytes * self.per_byte
@@ -121,7 +139,8 @@ class Estimate:
     """A config at one length: the predicted time of that length's share of a step and the peak
     bytes per rank. `peak_bytes` is the config as a member of a hot-switched set (its weights,
     gradients and activations); the config holding the optimizer (the base) needs `optimizer_bytes`
-    more, and every config runs while the base's optimizer state stays resident."""
+    more (whole: ZeRO-1 divides it by the base's dp), and every config runs while the base's
+    optimizer state stays resident."""
 
     config: DistConfig
     length: int
@@ -187,16 +206,11 @@ def params_per_rank(workload: Workload, tp: int, pp: int) -> int:
 # ---------------------------------------------------------------- work per micro-batch
 
 
-def _bandwidth(topology: Topology, span: int) -> float:
-    """Bandwidth of a group whose ranks lie within `span` consecutive ranks: the intra-node link when
-    they share a node, else the inter-node one (a ring is as slow as its slowest link)."""
-    return topology.intra_node_bandwidth if span <= topology.devices_per_node else topology.inter_node_bandwidth
-
-
 def micro_batch_work(workload: Workload, config: DistConfig, length: int, rows: int, topology: Topology,
-                     *, in_flight: int = 1) -> Work:
+                     *, in_flight: int = 1, comm: CommProfile | None = None) -> Work:
     """One rank's work for a micro-batch of `rows` rows (per replica) of `length` tokens: the slowest
-    stage's under pp > 1, and its activations with `in_flight` micro-batches held (pp > 1: 1F1B)."""
+    stage's under pp > 1, and its activations with `in_flight` micro-batches held (pp > 1: 1F1B).
+    `comm`: the collectives of the config's compiled ExecGraph (pp = 1), priced instead of the rules."""
     c = workload.model
     h, a, kv, d, f, v = c.hidden, c.n_heads, c.kv_heads, c.head_dim, c.ffn_hidden, c.vocab_size
     e = workload.compute_bytes
@@ -233,40 +247,43 @@ def micro_batch_work(workload: Workload, config: DistConfig, length: int, rows: 
     if pp > 1 and (stages[-1][1] - stages[-1][0]) * layer_act + head_act > act:  # the last stage holds more
         act, act_head = (stages[-1][1] - stages[-1][0]) * layer_act, head_act
 
-    comm, count = 0.0, 0
+    if comm is not None and pp == 1:
+        return Work(flops, traffic, comm.seconds(n, topology), len(comm.collectives), act, act_head)
+    comm_seconds, count = 0.0, 0
     message = n * h * e  # one activation of the residual stream, whole
     if t > 1:
-        bw = _bandwidth(topology, t)
+        bw = link_bandwidth(topology, t)
         # per layer 2 all-reduces forward and 2 backward; SP replaces each by an all-gather and a
         # reduce-scatter: the same bytes (ring all-reduce = reduce-scatter + all-gather), twice the calls
-        comm += layers * 4 * 2 * (t - 1) / t * message / bw
+        comm_seconds += layers * 4 * 2 * (t - 1) / t * message / bw
         count += layers * 4 * (2 if sp else 1)
         if stages[slow][0] == 0:  # the vocab-parallel embedding's partial output
-            comm += 2 * (t - 1) / t * message / bw
+            comm_seconds += 2 * (t - 1) / t * message / bw
             count += 1
     if dp > 1 and pp == 1 and workload.reduce_every_micro_batch:  # inside every micro-batch's graph
         params = params_per_rank(workload, t, pp)
         grad_bytes = params * e
-        comm += 2 * (dp - 1) / dp * grad_bytes / _bandwidth(topology, dp * t)
+        comm_seconds += 2 * (dp - 1) / dp * grad_bytes / link_bandwidth(topology, dp * t)
         count += max(1, math.ceil(grad_bytes / BUCKET_BYTES))
     if pp > 1:  # the stage's activation received and sent, forward and backward
-        bw = _bandwidth(topology, dp * t * pp)
-        comm += 2 * message / (t if sp else 1) / bw  # (sequence-sharded under SP)
+        bw = link_bandwidth(topology, dp * t * pp)
+        comm_seconds += 2 * message / (t if sp else 1) / bw  # (sequence-sharded under SP)
         count += 2
-    return Work(flops, traffic, comm, count, act, act_head)
+    return Work(flops, traffic, comm_seconds, count, act, act_head)
 
 
 # ---------------------------------------------------------------- estimates
 
 
 def estimate(workload: Workload, config: DistConfig, length: int, tokens: int, topology: Topology, rates: Rates,
-             *, micro_batch_tokens: int, zero1: bool = False) -> Estimate:
-    """`config` training `tokens` tokens of `length`-token rows (one length's share of a step)."""
+             *, micro_batch_tokens: int, comm: CommProfile | None = None) -> Estimate:
+    """`config` training `tokens` tokens of `length`-token rows (one length's share of a step);
+    `comm`: the config's ExecGraph collectives, when it has been compiled."""
     b = rows_per_replica(length, micro_batch_tokens)
     rows = config.dp * b
     micro_batches = max(1, math.ceil(math.ceil(tokens / length) / rows))
     in_flight = min(config.pp, micro_batches) if config.pp > 1 else 1
-    work = micro_batch_work(workload, config, length, b, topology, in_flight=in_flight)
+    work = micro_batch_work(workload, config, length, b, topology, in_flight=in_flight, comm=comm)
     per_micro = rates.seconds(work)
     comm = work.comm_seconds * rates.per_comm_second + work.collectives * rates.per_collective
     comm *= micro_batches
@@ -280,24 +297,43 @@ def estimate(workload: Workload, config: DistConfig, length: int, tokens: int, t
     e = workload.compute_bytes
     if config.dp > 1 and (config.pp > 1 or not workload.reduce_every_micro_batch):  # one all-reduce per step
         grad = 2 * (config.dp - 1) / config.dp * params * e
-        reduce = grad / _bandwidth(topology, config.world_size) * rates.per_comm_second + rates.per_collective
+        reduce = grad / link_bandwidth(topology, config.world_size) * rates.per_comm_second + rates.per_collective
         seconds += reduce
         comm += reduce
     state = params * (e + GRAD_ACCUMULATOR_BYTES) + rates.graph_grad_scale * params * e
     peak = state + rates.activation_scale * work.activation_bytes \
         + rates.head_activation_scale * work.head_activation_bytes
     optimizer = params * (ADAM_BYTES + (MASTER_BYTES if e != 4 else 0))
-    if zero1:
-        optimizer /= config.dp
     return Estimate(config, length, rows, micro_batches, seconds, int(peak), int(optimizer),
                     compute_seconds=seconds - comm - bubble, comm_seconds=comm, bubble_seconds=bubble)
+
+
+# AdamW per parameter per step: reads the gradient, the fp32 master and both moments, writes the master
+# and both moments (7 fp32 passes); then every master is read again and cast to a compute weight
+ADAMW_BYTES_PER_PARAM = 7 * 4
+CAST_BYTES_PER_PARAM = 4  # + the compute weight's own bytes
+
+
+def optimizer_seconds(workload: Workload, base: DistConfig, topology: Topology, rates: Rates, *,
+                      zero1: bool = False) -> float:
+    """The step's optimizer in the base config (the Trainer's `_optimizer_step`): AdamW over the
+    base's parameters per rank, or 1/dp of them under ZeRO-1, which then all-gathers the updated fp32
+    masters over the base's dp ranks; then the compute weights are cast from the masters. Memory-bound:
+    priced by the calibrated `per_byte`. A base with dp = 1 has nothing for ZeRO-1 to split."""
+    params = params_per_rank(workload, base.tp, base.pp)
+    split = base.dp if zero1 else 1
+    seconds = params * (ADAMW_BYTES_PER_PARAM / split + CAST_BYTES_PER_PARAM + workload.compute_bytes) * rates.per_byte
+    if zero1 and base.dp > 1:
+        gathered = (base.dp - 1) / base.dp * params * 4
+        seconds += gathered / link_bandwidth(topology, base.world_size) * rates.per_comm_second + rates.per_collective
+    return seconds
 
 
 # ---------------------------------------------------------------- calibration
 
 
 def calibrate(workload: Workload, topology: Topology, probes: Sequence, configs: dict[str, DistConfig],
-              base_rates: Rates) -> Rates:
+              base_rates: Rates, comm: Mapping[str, CommProfile] | None = None) -> Rates:
     """Rates fitted to measured micro-batches (`train.cost_model.Probe`s of pp = 1 configs: seconds of
     one micro-batch of `rows` rows, peak and state bytes per rank) by non-negative least squares.
 
@@ -307,13 +343,15 @@ def calibrate(workload: Workload, topology: Topology, probes: Sequence, configs:
     many timed probes as terms (4), all are fitted; with fewer, the defaults' prediction is scaled.
     Memory: the graph-held gradients, the blocks' and the
     head's activations are fitted to (peak - state) the same way (from three probes). Probes of
-    configs not in `configs` are ignored."""
+    configs not in `configs` are ignored. `comm`: config name -> its ExecGraph's collectives, priced
+    instead of the rules for those configs (as `estimate` then prices them)."""
     timed, sized = [], []
     for p in probes:
         config = configs.get(p.config)
         if config is None or config.pp != 1:
             continue
-        work = micro_batch_work(workload, config, p.length, p.rows // config.dp, topology)
+        work = micro_batch_work(workload, config, p.length, p.rows // config.dp, topology,
+                                comm=(comm or {}).get(p.config))
         params = params_per_rank(workload, config.tp, config.pp)
         sized.append(((params * workload.compute_bytes, work.activation_bytes, work.head_activation_bytes),
                       p.peak_bytes - p.state_bytes))
@@ -340,6 +378,21 @@ def calibrate(workload: Workload, topology: Topology, probes: Sequence, configs:
         coef = _nnls(np.array([s for s, _ in sized], dtype=float), np.array([m for _, m in sized], dtype=float))
         rates = replace(rates, graph_grad_scale=coef[0], activation_scale=coef[1], head_activation_scale=coef[2])
     return rates
+
+
+def calibrate_switches(rates: Rates, measured: Sequence[tuple[float, float]]) -> Rates:
+    """`per_switch` and `switch_scale` fitted to measured switches, given as (the planner's estimate of
+    the switch, its measured seconds) pairs, by non-negative least squares on (1, estimate). With one
+    pair, or estimates that do not differ, only the fixed cost is fitted."""
+    if not measured:
+        return rates
+    planned = np.array([p for p, _ in measured], dtype=float)
+    seconds = np.array([s for _, s in measured], dtype=float)
+    if len(measured) >= 2 and np.ptp(planned) > 0:
+        per_switch, scale = _nnls(np.stack([np.ones_like(planned), planned], axis=1), seconds)
+    else:
+        per_switch, scale = max(0.0, float(np.mean(seconds - rates.switch_scale * planned))), rates.switch_scale
+    return replace(rates, per_switch=float(per_switch), switch_scale=float(scale), switches_calibrated_on=len(measured))
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -8,11 +8,14 @@ from the frontiers: one config per length, minimising the expected step time
 
     sum over lengths of (that length's share of the step under its config)
     + the cheapest switching cycle through the configs used (`switch.order.plan_order`, each switch
-      priced by the planner: `switch.planner.plan_switch` over `cluster.switch_moves`; the first
-      switch of a step moves weights only, the others weights and gradients),
+      priced by the planner: `switch.planner.plan_switch` over `cluster.switch_moves`, scaled by the
+      calibrated switch rates; the first switch of a step moves weights only, the others weights
+      and gradients)
+    + the optimizer's step in the base config (the most model-parallel one chosen, the Trainer's rule),
 
 within the memory budget: each config's peak at its lengths plus the optimizer state that the base
-config (the most model-parallel one chosen, the Trainer's rule) keeps resident all step. A config
+keeps resident all step, whole or split over the base's dp ranks (ZeRO-1: less memory, an
+all-gather more per step; tried both ways unless the caller fixes it). A config
 that is a little faster at one length does not buy a switch that costs more than it saves.
 Assignments are tried cheapest compute first and a search stops once compute alone exceeds the best
 total, so switch plans are computed only for sets that could win.
@@ -31,7 +34,8 @@ from hotswitch.switch.order import plan_order
 from hotswitch.switch.planner import lower_bound_seconds, plan_switch
 from hotswitch.switch.state import StateKind
 
-from .cost import Estimate, Hardware, Rates, calibrate, estimate
+from .comm import CommProfile
+from .cost import Estimate, Hardware, Rates, calibrate, calibrate_switches, estimate, optimizer_seconds
 from .space import NoConfigFits, default_base, enumerate_configs
 from .workload import Workload, describe_workload
 
@@ -52,7 +56,8 @@ def pareto_front(estimates: Sequence[Estimate]) -> tuple[Estimate, ...]:
 class SearchResult:
     """Every priced config per length (`estimates`), the Pareto set per length (`pareto`, fastest
     first), and the chosen candidate set (`chosen`, with `assignment`: length -> config name, and
-    `base`). `expected_seconds` = `compute_seconds` (the lengths' shares) + `switch_seconds`."""
+    `base`, and `zero1`). `expected_seconds` = `compute_seconds` (the lengths' shares) +
+    `switch_seconds` (the cycle through the chosen configs) + `optimizer_seconds`."""
 
     workload: Workload
     topology: Topology
@@ -69,16 +74,20 @@ class SearchResult:
     pruned: tuple[tuple[str, str], ...] = ()
     search_seconds: float = 0.0
     switch_plans: int = 0
-    zero1: bool = False
+    zero1: bool = False  # whether the base's optimizer state is split over its dp ranks (ZeRO-1)
     notes: tuple[str, ...] = field(default=())
     probes: tuple = ()  # the measured micro-batches the rates were calibrated on (`train.cost_model.Probe`)
+    optimizer_seconds: float = 0.0  # the optimizer's step in the base config (`cost.optimizer_seconds`)
+    switch_probes: tuple = ()  # the measured switches the switch rates were fitted to
+    comm_profiles: Mapping[str, CommProfile] = field(default_factory=dict)  # configs priced by their ExecGraph
 
     def predicted_probe_seconds(self, probe) -> float:
         """What the calibrated rates predict for a measured micro-batch (`train.cost_model.Probe`)."""
         from .cost import micro_batch_work
 
         config = DistConfig.parse(probe.config)
-        work = micro_batch_work(self.workload, config, probe.length, probe.rows // config.dp, self.topology)
+        work = micro_batch_work(self.workload, config, probe.length, probe.rows // config.dp, self.topology,
+                                comm=self.comm_profiles.get(probe.config))
         return self.rates.seconds(work)
 
     @property
@@ -87,7 +96,13 @@ class SearchResult:
 
     @property
     def expected_seconds(self) -> float:
-        return self.compute_seconds + self.switch_seconds
+        return self.compute_seconds + self.switch_seconds + self.optimizer_seconds
+
+    @property
+    def base_optimizer_bytes(self) -> int:
+        """What the base's optimizer state adds per rank (split over its dp ranks under ZeRO-1)."""
+        base = self.estimate(self.base, self.lengths[0])
+        return base.optimizer_bytes // (base.config.dp if self.zero1 else 1)
 
     def estimate(self, config: str | DistConfig, length: int) -> Estimate:
         name = config if isinstance(config, str) else config.name
@@ -138,7 +153,8 @@ class SearchResult:
                              f"{_bytes(e.peak_bytes):>12}{_bytes(e.optimizer_bytes):>11}{e.micro_batches:>6}")
         names = ", ".join(c.name for c in self.chosen)
         lines.append(f"\nchosen: {names} (base {self.base}); expected step {self.expected_seconds:.4g} s = "
-                     f"{self.compute_seconds:.4g} s compute + {self.switch_seconds:.4g} s switching")
+                     f"{self.compute_seconds:.4g} s compute + {self.switch_seconds:.4g} s switching + "
+                     f"{self.optimizer_seconds:.4g} s optimizer")
         lines.extend(self.notes)
         return "\n".join(lines)
 
@@ -155,7 +171,7 @@ class SearchResult:
         fig, axes = plt.subplots(1, k, figsize=(4.6 * k, 4.2), squeeze=False, layout="constrained")
         top = max(e.peak_bytes for es in self.estimates.values() for e in es)
         unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", 2**20)
-        optimizer = self.estimate(self.base, self.lengths[0]).optimizer_bytes
+        optimizer = self.base_optimizer_bytes
         for ax, length in zip(axes[0], self.lengths):
             every = self.estimates[length]
             ax.scatter([e.peak_bytes / scale for e in every], [e.seconds for e in every], s=14, c="0.7",
@@ -213,7 +229,8 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
                    memory_budget_bytes: int | None = None, topology: Topology | None = None,
                    micro_batch_tokens: int = 2048, tokens_per_length: int | None = None,
                    probes: Sequence = (), hardware: Hardware | None = None, rates: Rates | None = None,
-                   zero1: bool = False, max_assignments: int = 4096,
+                   switch_probes: Sequence = (), comm_profiles: Mapping[str, CommProfile] | None = None,
+                   zero1: bool | None = None, max_assignments: int = 4096,
                    switch_pricing: str | None = None) -> SearchResult:
     """Price every config of the space at each length, keep the Pareto sets, choose the candidates.
 
@@ -224,7 +241,12 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
     rank. `topology`: devices and bandwidths (default `world_size` devices on one node).
     `probes`: measured micro-batches (`train.cost_model.Probe`, e.g. `Trainer.cost.probes.values()`)
     that calibrate the rates; without them `hardware` (default an H100; `Hardware.cpu()` for gloo)
-    sets them, or pass `rates` directly. `switch_pricing`: "greedy" prices a switch by the estimate
+    sets them, or pass `rates` directly. `switch_probes`: measured switches (`train.cost_model.SwitchProbe`)
+    that calibrate what a switch costs beyond the planner's transfer estimate. `comm_profiles`:
+    config name -> the collectives its compiled ExecGraph issues (`search.comm.comm_profile`), priced
+    instead of Megatron's rules for those configs. `zero1`: shard the
+    base's optimizer state over its dp ranks (True), never (False), or whichever is cheaper within the
+    budget (None, the default; `result.zero1` says which). `switch_pricing`: "greedy" prices a switch by the estimate
     of the plan the runtime executes (the planner's greedy), "lower_bound" by the planner's
     algorithm-independent bound (vectorized: the greedy loop is seconds per plan at 1024 devices,
     where greedy stays within 1-2.3x of the bound); default greedy up to 256 devices. Pure: no
@@ -250,8 +272,9 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
         raise ValueError(f"no config of {topology.num_devices} devices can run {workload.name}: "
                          + "; ".join(f"{n}: {r}" for n, r in space.pruned[:6]))
     base_rates = rates or Rates.from_hardware(hardware or Hardware())
+    comm = dict(comm_profiles or {})
     if probes:
-        base_rates = calibrate(workload, topology, probes, {c.name: c for c in space.configs}, base_rates)
+        base_rates = calibrate(workload, topology, probes, {c.name: c for c in space.configs}, base_rates, comm)
     pruned = list(space.pruned)
     estimates: dict[int, tuple[Estimate, ...]] = {}
     for length, tokens in shares.items():
@@ -261,7 +284,7 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
                 pruned.append((c.name, f"length {length} is not a multiple of tp={c.tp} (SP shards the sequence)"))
                 continue
             priced.append(estimate(workload, c, length, tokens, topology, base_rates,
-                                   micro_batch_tokens=micro_batch_tokens, zero1=zero1))
+                                   micro_batch_tokens=micro_batch_tokens, comm=comm.get(c.name)))
         if not priced:
             raise ValueError(f"no config can run length {length}; use lengths that are multiples of the tp degrees")
         estimates[length] = tuple(priced)
@@ -270,44 +293,88 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
         switch_pricing = "greedy" if topology.num_devices <= 256 else "lower_bound"
     if switch_pricing not in ("greedy", "lower_bound"):
         raise ValueError(f"switch_pricing must be 'greedy' or 'lower_bound', got {switch_pricing!r}")
-    chooser = _Chooser(workload, topology, memory_budget_bytes, switch_pricing)
-    assignment, base, compute, switching = chooser.choose(pareto, max_assignments)
+    chooser = _Chooser(workload, topology, memory_budget_bytes, switch_pricing, base_rates, space.configs, zero1)
+    known = {c.name for c in space.configs}
+    switch_probes = [p for p in switch_probes if p.source in known and p.destination in known]
+    if switch_probes:
+        chooser.rates = base_rates = calibrate_switches(
+            base_rates, [(chooser.planned_seconds(p.source, p.destination, not p.with_grads), p.seconds)
+                         for p in switch_probes])
+    best = chooser.choose(pareto, max_assignments)
     configs = {c.name: c for c in space.configs}
-    chosen = tuple(configs[n] for n in dict.fromkeys([base, *assignment.values()]))
+    chosen = tuple(configs[n] for n in dict.fromkeys([best.base, *best.assignment.values()]))
     how = "the planner's greedy plans" if switch_pricing == "greedy" else "the planner's lower bound"
-    notes = [f"switches priced by {how} ({chooser.plans} config pairs planned)"]
-    return SearchResult(workload, topology, shares, estimates, pareto, chosen, assignment, base, compute, switching,
-                        memory_budget_bytes, base_rates, tuple(pruned), time.perf_counter() - t0, chooser.plans,
-                        zero1, tuple(notes), tuple(probes))
+    fitted = f", calibrated on {len(switch_probes)} measured switches" if switch_probes else ""
+    notes = [f"switches priced by {how} ({chooser.plans} config pairs planned{fitted}): "
+             f"{base_rates.per_switch * 1e3:.3g} ms + {base_rates.switch_scale:.3g} x the plan's transfer time"]
+    if comm:
+        read = ", ".join(n for n in configs if n in comm)
+        rest = ", ".join(n for n in configs if n not in comm)
+        notes.append(f"communication of {read} from the collectives of their ExecGraphs"
+                     + (f"; of {rest} from Megatron's rules" if rest else ""))
+    if configs[best.base].dp > 1:
+        notes.append(f"ZeRO-1 {'on' if best.zero1 else 'off'}: the optimizer state "
+                     f"{f'is split over {best.base} dp={configs[best.base].dp} ranks' if best.zero1 else 'is whole'}"
+                     f"{'' if zero1 is None else ' (as asked)'}")
+    return SearchResult(workload, topology, shares, estimates, pareto, chosen, best.assignment, best.base,
+                        best.compute, best.switching, memory_budget_bytes, base_rates, tuple(pruned),
+                        time.perf_counter() - t0, chooser.plans, best.zero1, tuple(notes), tuple(probes),
+                        optimizer_seconds=best.optimizer, switch_probes=tuple(switch_probes), comm_profiles=comm)
+
+
+@dataclass(frozen=True, slots=True)
+class _Choice:
+    compute: float
+    switching: float
+    optimizer: float
+    assignment: dict
+    base: str
+    zero1: bool
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.switching + self.optimizer
 
 
 class _Chooser:
-    """One config per length from the Pareto sets: least compute + switching cycle within the budget."""
+    """One config per length from the Pareto sets: least compute + switching cycle + the optimizer's
+    step within the budget, with ZeRO-1 on or off (`zero1=None`: whichever is cheaper and fits)."""
 
-    def __init__(self, workload: Workload, topology: Topology, budget: int | None, pricing: str):
+    def __init__(self, workload: Workload, topology: Topology, budget: int | None, pricing: str, rates: Rates,
+                 configs: Sequence[DistConfig], zero1: bool | None):
         self.workload, self.topology, self.budget, self.pricing = workload, topology, budget, pricing
-        self._switch: dict[tuple[str, str, bool], float] = {}
-        self._configs: dict[str, DistConfig] = {}
+        self.rates, self.zero1 = rates, zero1
+        self._planned: dict[tuple[str, str, bool], float] = {}
+        self._configs = {c.name: c for c in configs}
         self.plans = 0
 
-    def switch_seconds(self, a: str, b: str, first: bool) -> float:
-        """Switching a -> b: weights only for the first switch of a step, else weights and fp32
-        gradients. The bound is linear in bytes and gradients have their parameter's layout, so the
-        bound with gradients is the weights' bound times (e + 4) / e: one plan per pair, not two."""
+    def planned_seconds(self, a: str, b: str, first: bool) -> float:
+        """The planner's estimate of switching a -> b on the Topology's links: weights only for the
+        first switch of a step, else weights and fp32 gradients. The bound is linear in bytes and
+        gradients have their parameter's layout, so the bound with gradients is the weights' bound
+        times (e + 4) / e: one plan per pair, not two."""
         linear = self.pricing == "lower_bound"
         key = (a, b, first or linear)
-        if key not in self._switch:
+        if key not in self._planned:
             moves = switch_moves(self.workload.model, self._configs[a], self._configs[b], self.topology.num_devices,
                                  dtype_bytes=self.workload.compute_bytes, with_grads=not key[2])
             if linear:
-                self._switch[key] = lower_bound_seconds(moves, self.topology)
+                self._planned[key] = lower_bound_seconds(moves, self.topology)
             else:
-                self._switch[key] = plan_switch(moves, self.topology, "greedy").estimated_seconds
+                self._planned[key] = plan_switch(moves, self.topology, "greedy").estimated_seconds
             self.plans += 1
         e = self.workload.compute_bytes
-        return self._switch[key] * (1 if first or not linear else (e + STATE_BYTES[StateKind.GRAD]) / e)
+        return self._planned[key] * (1 if first or not linear else (e + STATE_BYTES[StateKind.GRAD]) / e)
 
-    def choose(self, pareto: Mapping[int, tuple[Estimate, ...]], max_assignments: int):
+    def switch_seconds(self, a: str, b: str, first: bool) -> float:
+        return self.rates.switch_seconds(self.planned_seconds(a, b, first))
+
+    def zero1_options(self, base: DistConfig) -> tuple[bool, ...]:
+        if base.dp == 1:
+            return (False,)  # nothing to split the optimizer state over
+        return (False, True) if self.zero1 is None else (self.zero1,)
+
+    def choose(self, pareto: Mapping[int, tuple[Estimate, ...]], max_assignments: int) -> _Choice:
         options = {}
         for length, front in pareto.items():
             fits = [e for e in front if _fits(e.peak_bytes, self.budget)]
@@ -318,30 +385,35 @@ class _Chooser:
                     f"{least.name} with {_bytes(least.peak_bytes)}; raise the budget, use more devices or shorter "
                     "micro-batches")
             options[length] = fits
-            self._configs.update({e.name: e.config for e in front})
         lengths = list(options)
         if math.prod(len(o) for o in options.values()) > max_assignments:  # HotSPa's rule: fastest each
             options = {length: o[:1] for length, o in options.items()}
         candidates = sorted(itertools.product(*options.values()), key=lambda es: sum(e.seconds for e in es))
-        best = None
+        best: _Choice | None = None
         for es in candidates:
             compute = sum(e.seconds for e in es)
-            if best is not None and compute >= best[0] + best[1]:
-                break  # switching costs >= 0: nothing later can win
+            if best is not None and compute >= best.total:
+                break  # switching and the optimizer cost >= 0: nothing later can win
             used = list(dict.fromkeys(e.config for e in es))
             base = default_base(used)
-            optimizer = self._optimizer_bytes(base, pareto)
-            if not all(_fits(e.peak_bytes + optimizer, self.budget) for e in es):
-                continue  # the base's optimizer state does not leave room for some length's config
-            cycle = plan_order([c.name for c in used], self.switch_seconds, base=base.name).cost
-            if best is None or compute + cycle < best[0] + best[1] - 1e-15:
-                best = (compute, cycle, {length: e.name for length, e in zip(lengths, es)}, base.name)
+            cycle = None
+            for zero1 in self.zero1_options(base):
+                optimizer = self._optimizer_bytes(base, pareto) // (base.dp if zero1 else 1)
+                if not all(_fits(e.peak_bytes + optimizer, self.budget) for e in es):
+                    continue  # the base's optimizer state does not leave room for some length's config
+                if cycle is None:
+                    cycle = plan_order([c.name for c in used], self.switch_seconds, base=base.name).cost
+                step = optimizer_seconds(self.workload, base, self.topology, self.rates, zero1=zero1)
+                choice = _Choice(compute, cycle, step, {length: e.name for length, e in zip(lengths, es)},
+                                 base.name, zero1)
+                if best is None or choice.total < best.total - 1e-15:
+                    best = choice
         if best is None:
+            hint = "raise the budget or use ZeRO-1 (zero1=True)" if self.zero1 is False else "raise the budget"
             raise NoConfigFits(
                 f"no set of configs fits within {_bytes(self.budget)} per rank once the base config's optimizer "
-                "state (fp32 masters and Adam moments) is counted; raise the budget or use ZeRO-1 (zero1=True)")
-        compute, cycle, assignment, base = best
-        return assignment, base, compute, cycle
+                f"state (fp32 masters and Adam moments) is counted; {hint}")
+        return best
 
     @staticmethod
     def _optimizer_bytes(base: DistConfig, pareto) -> int:

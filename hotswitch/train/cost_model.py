@@ -1,10 +1,11 @@
 """Which config runs which length bucket: measured step times and memory, a budget, a search.
 
-A `Probe` is one config measured at one bucket length: the seconds of one micro-batch of its
-compiled shape (rows x length, the slowest rank, median of a few runs) and the peak bytes per rank
-(resident state plus the ExecGraph's peak of intermediate values, `compiler.memory`). A bucket
-whose packing needs R rows then costs ceil(R / rows) micro-batches under that config, so the time
-of any token count at a profiled length follows from the probe. A config fits a bucket when its
+A `Probe` is one config measured at one bucket length (a `SwitchProbe`, one switch between two):
+the seconds of one micro-batch of its compiled shape (rows x length, the slowest rank, median of a
+few runs) and the peak bytes per rank (resident state plus the ExecGraph's peak of intermediate
+values, `compiler.memory`). A bucket whose packing needs R rows then costs ceil(R / rows)
+micro-batches under that config, so the time of any token count at a profiled length follows from
+the probe. A config fits a bucket when its
 peak stays within the per-rank budget; configs that do not fit are never run.
 
 `assign` picks one config per bucket. With few buckets and configs it searches every assignment
@@ -33,6 +34,16 @@ class Probe:
 
     def fits(self, budget: int | None) -> bool:
         return budget is None or self.peak_bytes <= budget
+
+
+@dataclass(frozen=True)
+class SwitchProbe:
+    """One switch between configs measured between steps (weights only): the slowest rank's seconds."""
+
+    source: str
+    destination: str
+    seconds: float
+    with_grads: bool = False
 
 
 @dataclass(frozen=True)

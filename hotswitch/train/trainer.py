@@ -16,6 +16,7 @@ cross-entropy over all of the batch's target tokens.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import statistics
 import time
@@ -34,10 +35,11 @@ from hotswitch.models import PackedCausalLMLoss
 from hotswitch.runtime.compiled_model import CompiledModel
 from hotswitch.runtime.compiled_model import compile as hs_compile
 from hotswitch.search.auto import auto_configs
+from hotswitch.search.comm import CommProfile, comm_profile
 from hotswitch.search.space import default_base
 from hotswitch.switch.state import JOB_STATE, StateKind, state_key
 from hotswitch.train import data as D
-from hotswitch.train.cost_model import BucketDemand, CostModel, Probe
+from hotswitch.train.cost_model import BucketDemand, CostModel, Probe, SwitchProbe
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,8 @@ class Trainer:
     `buckets` (length bounds; default from the first batch's length distribution, `num_buckets`
     of them, default max(3, number of configs)), `bucket_configs` (one config name per bucket, skipping the cost model),
     `micro_batch_tokens` (tokens per data-parallel replica per micro-batch), `compute_dtype`
-    (default bfloat16 on GPU, float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks),
+    (default bfloat16 on GPU, float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks;
+    default off, or the search's choice under "auto"),
     `progress(message)` for long phases, `strict` (default False: an op DTensor cannot shard at
     some micro-batch shape, e.g. GQA's head regrouping with one row under tp > kv heads, runs
     replicated with a warning instead of failing; results stay exact), `logic` (the LogicGraph of an
@@ -139,7 +142,7 @@ class Trainer:
     def __init__(self, model: nn.Module, configs, optimizer: dict | None = None, memory_budget_bytes: int | None = None,
                  *, base: str | None = None, buckets: Sequence[int] | None = None, num_buckets: int | None = None,
                  bucket_configs: Sequence[str] | None = None, micro_batch_tokens: int = 2048,
-                 compute_dtype: torch.dtype | None = None, zero1: bool = False, length_multiple: int = 16,
+                 compute_dtype: torch.dtype | None = None, zero1: bool | None = None, length_multiple: int = 16,
                  profile_repeats: int = 3, strict: bool = False, topology: Topology | None = None,
                  progress: Callable[[str], None] | None = None, logic=None):
         if not dist.is_initialized():
@@ -149,13 +152,15 @@ class Trainer:
         if isinstance(configs, str) and configs == "auto":
             meters = []  # a Trainer of the configs measured to calibrate; its LogicGraph is reused below
 
-            def measure(configs, lengths):
-                meters.append(Trainer(model, configs, memory_budget_bytes=memory_budget_bytes, logic=logic,
-                                      micro_batch_tokens=micro_batch_tokens, compute_dtype=compute_dtype,
-                                      length_multiple=length_multiple, strict=strict, topology=topology,
-                                      progress=progress))
-                meters[-1].profile(lengths)
-                return list(meters[-1].cost.probes.values())
+            def measure(space, timed, lengths):  # every config of the space, compiled only where read
+                meter = Trainer(model, space, memory_budget_bytes=memory_budget_bytes, logic=logic,
+                                micro_batch_tokens=micro_batch_tokens, compute_dtype=compute_dtype,
+                                length_multiple=length_multiple, strict=strict, topology=topology, progress=progress)
+                meters.append(meter)
+                timed = [c.name for c in timed]
+                meter.profile(lengths, configs=timed)
+                return (list(meter.cost.probes.values()), meter.measure_switches(timed),
+                        meter.comm_profiles(lengths[0]))
 
             configs, self.search = auto_configs(
                 model, measure, memory_budget_bytes=memory_budget_bytes, lengths=buckets, topology=topology,
@@ -163,6 +168,7 @@ class Trainer:
                 compute_dtype=compute_dtype, progress=progress)
             logic = meters[0].cm.logic if meters else logic
             del meters
+            zero1 = self.search.zero1 if zero1 is None else zero1
         self.configs = tuple(parse_configs(configs))  # DistConfigs or strings, "dp2tp2sp" or "dp=2,tp=2,sp"
         names = [c.name for c in self.configs]
         piped = [c.name for c in self.configs if c.pp > 1]
@@ -176,7 +182,7 @@ class Trainer:
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
         self.micro_batch_tokens = micro_batch_tokens
-        self.zero1 = zero1
+        self.zero1 = bool(zero1)
         self.profile_repeats = profile_repeats
         sp_degrees = [c.tp for c in self.configs if c.sp]
         self.length_multiple = math.lcm(length_multiple, *sp_degrees) if sp_degrees else length_multiple
@@ -416,19 +422,20 @@ class Trainer:
             self.on_phase(phase, self.step_count)
 
     # ----------------------------------------------------------------------------------- profiling
-    def profile(self, lengths: Sequence[int]) -> list[Probe]:
-        """Measure every config at each length not yet profiled (a collective: every rank).
+    def profile(self, lengths: Sequence[int], configs: Sequence[str] | None = None) -> list[Probe]:
+        """Measure every config (or those named) at each length not yet profiled (a collective: every rank).
 
         Each config's ExecGraph for a micro-batch of that length is compiled; its peak memory per
         rank is estimated from the graph; configs within the budget are timed (forward+backward,
         median of `profile_repeats` runs after a warm-up, slowest rank). Starts and ends in the base.
         """
-        todo = [(c, L) for c in self.configs for L in lengths if not self.cost.has(c.name, L)]
+        named = self.configs if configs is None else [self.config(n) for n in configs]
+        todo = [(c, L) for c in named for L in lengths if not self.cost.has(c.name, L)]
         if not todo:
             return []
         assert self.cm.local_grads is None, "profile between steps: it discards gradients"
         probes = []
-        for config in self.configs:
+        for config in named:
             for length in [L for c, L in todo if c is config]:
                 if self.cm.active != config.name:
                     self.cm.switch(config.name)
@@ -437,6 +444,43 @@ class Trainer:
                 self.cost.add(probes[-1])
         self.cm.switch(self.base)
         return probes
+
+    def measure_switches(self, names: Sequence[str] | None = None, repeats: int = 2) -> list[SwitchProbe]:
+        """Time the switch between every ordered pair of this Trainer's configs (or those named),
+        weights only as between steps (the fastest of `repeats`, the slowest rank each): what
+        `configs="auto"` prices switches by. A collective: every rank. Ends in the base."""
+        assert self.cm.local_grads is None, "measure switches between steps: gradients would move too"
+        names = [c.name for c in self.configs] if names is None else list(names)
+        best: dict[tuple[str, str], float] = {}
+        for _ in range(repeats):
+            for source, destination in itertools.permutations(names, 2):
+                if self.cm.active != source:
+                    self.cm.switch(source)
+                dist.barrier()
+                t0 = time.perf_counter()
+                self.cm.switch(destination)
+                synchronize(self.cm.device)
+                took = comm_tensor([time.perf_counter() - t0], torch.float64)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                best[(source, destination)] = min(best.get((source, destination), math.inf), float(took.item()))
+        self.cm.switch(self.base)
+        return [SwitchProbe(a, b, seconds) for (a, b), seconds in best.items()]
+
+    def comm_profiles(self, length: int) -> dict[str, CommProfile]:
+        """The collectives each config's ExecGraph issues for a micro-batch of rows of `length`
+        tokens (lowered here if it was not yet): what `configs="auto"` prices communication by."""
+        out = {}
+        for config in self.configs:
+            rows = self.rows_per_micro_batch(config, length)
+            gm = self.cm.exec_graph(config.name, ((rows, length),) * 3)
+            groups = {}
+            for axis in ("dp", "tp"):
+                group = self.cm.process_group(config.name, axis)
+                if group is not None:
+                    ranks = dist.get_process_group_ranks(group)
+                    groups[group.group_name] = (len(ranks), max(ranks) - min(ranks) + 1)
+            out[config.name] = comm_profile(gm, config.name, rows // config.dp * length, groups)
+        return out
 
     def _probe(self, config: DistConfig, length: int) -> Probe:
         rows = self.rows_per_micro_batch(config, length)
