@@ -318,3 +318,34 @@ def test_comm_profile_prices_activations_by_tokens_and_gradients_once():
     rules = micro_batch_work(w, config, 256, 4, topo)
     assert (work.flops, work.activation_bytes) == (rules.flops, rules.activation_bytes)
     assert rules.collectives > 1
+
+
+@pytest.mark.slow  # spawns one process per config
+def test_profiled_planning_on_one_device():
+    """`hotswitch configs --profile`: each config's rank 0 timed in a fake process group (collectives
+    free), its ExecGraph's collectives read off; the compute rates are fitted to those times and the
+    collective rates kept as the hardware's."""
+    import functools
+
+    from hotswitch.search.profiled import profile_space
+
+    model = build_model("gpt-tiny")
+    w = describe_workload(model)
+    topo = Topology(2, 2)
+    probes, comm = profile_space(functools.partial(build_model, "gpt-tiny"), w, topo, [32], 1024, repeats=1)
+    assert sorted(p.config for p in probes) == ["dp2", "tp2", "tp2sp"] and set(comm) == {"dp2", "tp2", "tp2sp"}
+    assert all(p.collectives_free and p.seconds > 0 and p.peak_bytes > p.state_bytes > 0 for p in probes)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    dp2 = comm["dp2"].collectives
+    assert all(c.kind == "all_reduce" and c.group_size == 2 and not c.per_token for c in dp2)
+    assert 0 <= sum(c.nbytes for c in dp2) - params <= 64  # every gradient once (+ the loss's two scalars)
+    assert any(c.per_token for c in comm["tp2sp"].collectives)
+    hardware = Hardware.cpu()
+    result = search_configs(model, topology=topo, lengths=[32], micro_batch_tokens=1024, hardware=hardware,
+                            probes=probes, comm_profiles=comm)
+    default = Rates.from_hardware(hardware)
+    assert result.rates.calibrated_on == 3 and "profiled in a fake process group" in result.table()
+    assert (result.rates.per_comm_second, result.rates.per_collective) == (default.per_comm_second,
+                                                                           default.per_collective)
+    with pytest.raises(SystemExit, match="--profile runs every config's rank on this machine"):
+        main(["configs", "--model", "gpt3-175b", "--devices", "64", "--profile", "--plot", ""])

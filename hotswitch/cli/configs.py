@@ -38,6 +38,10 @@ def add_parser(subparsers) -> None:
                         "whichever is cheaper within the budget)")
     p.add_argument("--all", action="store_true", help="list every config, not only the Pareto front")
     p.add_argument("--gpu", action="store_true", help="price a built-in model with H100 rates instead of CPU ones")
+    p.add_argument("--profile", action="store_true",
+                   help="time every config's rank 0 on this machine in a fake process group (compute and the "
+                        "compiler's peak memory measured, collectives read off its ExecGraph) and fit the rates "
+                        "to that; built-in models only")
     p.add_argument("--plot", default="configs.png", metavar="PATH", help="where to draw time vs memory ('' for "
                    "none)")
     add_json_argument(p, None, "every estimate")
@@ -73,9 +77,24 @@ def run_configs(args) -> int:
             hardware = Hardware() if args.gpu else Hardware.cpu()
             topology = Topology(args.devices, per_node)
         budget = None if args.memory_budget_mib is None else int(args.memory_budget_mib * 2**20)
+        micro_batch_tokens = args.micro_batch_tokens or (2048 if cluster else 1024)
+        probes, comm = (), None
+        if args.profile:
+            if cluster:
+                raise ValueError(f"--profile runs every config's rank on this machine; {args.model} is a cluster "
+                                 "model: use a built-in one (gpt-tiny, gpt-small, ...) or leave --profile out")
+            import functools
+            import sys
+
+            from hotswitch.search import describe_workload
+            from hotswitch.search.profiled import profile_space
+
+            probes, comm = profile_space(functools.partial(build_model, args.model), describe_workload(model),
+                                         topology, lengths, micro_batch_tokens,
+                                         progress=lambda m: print(m, file=sys.stderr, flush=True))
         result = search_configs(model, lengths=lengths, topology=topology, memory_budget_bytes=budget,
-                                micro_batch_tokens=args.micro_batch_tokens or (2048 if cluster else 1024),
-                                tokens_per_length=args.tokens_per_length, hardware=hardware, zero1=args.zero1)
+                                micro_batch_tokens=micro_batch_tokens, tokens_per_length=args.tokens_per_length,
+                                hardware=hardware, zero1=args.zero1, probes=probes, comm_profiles=comm)
     except (ValueError, NoConfigFits) as e:
         raise SystemExit(f"hotswitch configs: {e}")
     print(result.table(frontier_only=not args.all))

@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hotswitch.search.comm import CommProfile
+
 __all__ = ["RankProfile", "profile_rank"]
 
 
@@ -36,6 +38,8 @@ class RankProfile:
     peak_bytes: int | None  # measured peak allocation during a step (CUDA only; None on CPU)
     estimated_peak_bytes: int  # the compiler's estimate: the inputs (weights, buffers, batch) + the graph's live peak
     compile_seconds: float
+    state_bytes: int = 0  # of `estimated_peak_bytes`: the inputs (weights, buffers and the micro-batch)
+    comm: CommProfile | None = None  # the collectives its ExecGraph issues (pp = 1), free in the fake group
 
     @property
     def tokens_per_second(self) -> float:
@@ -46,7 +50,9 @@ class RankProfile:
         return self.flops / self.seconds / peak_flops
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+        out = {**asdict(self), "tokens_per_second": self.tokens_per_second}
+        out["comm"] = None if self.comm is None else len(self.comm.collectives)  # a count: the list is long
+        return out
 
 
 def profile_rank(build_model: Callable[[], torch.nn.Module], example_inputs, config, *, rank: int = 0,
@@ -112,6 +118,7 @@ def _worker(build_model, example_inputs, config, rank, repeats, device, dtype, b
 def _measure(build_model, example_inputs, config, rank, repeats, device, dtype, backend) -> dict:
     import hotswitch as hs
     from hotswitch.compiler.memory import estimate_peak_bytes
+    from hotswitch.search.comm import compiled_comm_profile
 
     torch.manual_seed(0)
     model = build_model().to(dtype)
@@ -139,9 +146,10 @@ def _measure(build_model, example_inputs, config, rank, repeats, device, dtype, 
         del outs
     peak = int(torch.cuda.max_memory_allocated()) if device.startswith("cuda") else None
     tokens = int(local[0].numel())
+    comm = compiled_comm_profile(cm, config.name, gm, tokens) if config.pp == 1 else None
     model_parallel = config.tp * config.pp
     return dict(config=config.name, rank=rank, world_size=config.world_size, device=device,
                 dtype=str(dtype).removeprefix("torch."), local_shapes=tuple(tuple(x.shape) for x in local),
                 seconds=statistics.median(times), tokens=tokens, flops=6.0 * n_params * tokens / model_parallel,
                 peak_bytes=peak, estimated_peak_bytes=int(resident + estimate_peak_bytes(gm)),
-                compile_seconds=compile_seconds)
+                compile_seconds=compile_seconds, state_bytes=int(resident), comm=comm)

@@ -19,7 +19,7 @@ from torch import fx
 from hotswitch.compiler.lower import collectives
 from hotswitch.distconfig import Topology
 
-__all__ = ["Collective", "CommProfile", "comm_profile", "link_bandwidth", "ring_bytes"]
+__all__ = ["Collective", "CommProfile", "comm_profile", "compiled_comm_profile", "link_bandwidth", "ring_bytes"]
 
 
 def link_bandwidth(topology: Topology, span: int) -> float:
@@ -86,3 +86,17 @@ def comm_profile(gm: fx.GraphModule, config: str, tokens: int, groups: Mapping[s
         phase = node.meta.get("custom", {}).get("phase")
         out.append(Collective(kind, value.numel() * value.element_size(), size, span, phase != "reduce"))
     return CommProfile(config, tokens, tuple(out))
+
+
+def compiled_comm_profile(cm, name: str, gm: fx.GraphModule, tokens: int) -> CommProfile:
+    """`comm_profile` of config `name`'s ExecGraph `gm` in CompiledModel `cm`, its groups read off
+    `cm`'s process groups for the config (a real job's or a fake process group's)."""
+    import torch.distributed as dist
+
+    groups = {}
+    for axis in ("dp", "tp"):
+        group = cm.process_group(name, axis)
+        if group is not None:
+            ranks = dist.get_process_group_ranks(group)
+            groups[group.group_name] = (len(ranks), max(ranks) - min(ranks) + 1)
+    return comm_profile(gm, name, tokens, groups)

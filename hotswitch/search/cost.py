@@ -344,7 +344,9 @@ def calibrate(workload: Workload, topology: Topology, probes: Sequence, configs:
     Memory: the graph-held gradients, the blocks' and the
     head's activations are fitted to (peak - state) the same way (from three probes). Probes of
     configs not in `configs` are ignored. `comm`: config name -> its ExecGraph's collectives, priced
-    instead of the rules for those configs (as `estimate` then prices them)."""
+    instead of the rules for those configs (as `estimate` then prices them). A probe with
+    `collectives_free` (a rank profiled in a fake process group, `runtime.profile`) timed compute
+    only; when every probe is such, the collective rates are kept as given."""
     timed, sized = [], []
     for p in probes:
         config = configs.get(p.config)
@@ -356,23 +358,28 @@ def calibrate(workload: Workload, topology: Topology, probes: Sequence, configs:
         sized.append(((params * workload.compute_bytes, work.activation_bytes, work.head_activation_bytes),
                       p.peak_bytes - p.state_bytes))
         if p.seconds is not None:
-            timed.append((work, p.seconds))
+            free = getattr(p, "collectives_free", False)
+            timed.append((replace(work, comm_seconds=0.0, collectives=0) if free else work, p.seconds))
     rates = base_rates
     if timed:
         latency = rates.per_collective / rates.per_comm_second
         x = np.array([w.features(latency) for w, _ in timed])
         y = np.array([s for _, s in timed])
-        if len(timed) >= x.shape[1]:
-            coef = _nnls(x, y)
-            rates = replace(rates, per_flop=coef[0], per_byte=coef[1], per_comm_second=coef[2],
-                            per_collective=coef[2] * latency, per_micro_batch=coef[3])
+        comm_seen = bool(x[:, 2].any())  # else every probe ran in a fake process group: keep the comm rates
+        terms = [0, 1, 2, 3] if comm_seen else [0, 1, 3]
+        if len(timed) >= len(terms):
+            coef = dict(zip(terms, _nnls(x[:, terms], y)))
+            rates = replace(rates, per_flop=coef[0], per_byte=coef[1], per_micro_batch=coef[3])
+            if comm_seen:
+                rates = replace(rates, per_comm_second=coef[2], per_collective=coef[2] * latency)
         else:
             predicted = np.array([rates.seconds(w) for w, _ in timed])
             scale = float(predicted @ y / (predicted @ predicted))
             rates = replace(rates, per_flop=rates.per_flop * scale, per_byte=rates.per_byte * scale,
-                            per_comm_second=rates.per_comm_second * scale,
-                            per_collective=rates.per_collective * scale,
                             per_micro_batch=rates.per_micro_batch * scale)
+            if comm_seen:
+                rates = replace(rates, per_comm_second=rates.per_comm_second * scale,
+                                per_collective=rates.per_collective * scale)
         rates = replace(rates, calibrated_on=len(timed))
     if len(sized) >= 3:
         coef = _nnls(np.array([s for s, _ in sized], dtype=float), np.array([m for _, m in sized], dtype=float))

@@ -136,7 +136,10 @@ class SearchResult:
         budget = "no memory budget" if self.memory_budget_bytes is None else \
             f"budget {_bytes(self.memory_budget_bytes)} per rank"
         n = self.rates.calibrated_on
-        rates = f"rates calibrated on {n} measured micro-batches" if n else "uncalibrated rates"
+        profiled = self.probes and all(getattr(p, "collectives_free", False) for p in self.probes)
+        rates = ("uncalibrated rates" if not n else f"compute rates fitted to {n} micro-batches profiled in a fake "
+                 "process group (collectives priced by the hardware's rates)" if profiled
+                 else f"rates calibrated on {n} measured micro-batches")
         lines.append(f"{self.workload.name} on {self.topology.num_devices} devices "
                      f"({self.topology.devices_per_node} per node), {budget}; {rates}")
         header = f"{'':2}{'config':<14}{'step share s':>13}{'comm s':>10}{'bubble s':>10}{'peak/rank':>12}" \

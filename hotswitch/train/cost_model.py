@@ -31,6 +31,7 @@ class Probe:
     seconds: float | None  # one micro-batch, forward + backward; None if not run (does not fit)
     peak_bytes: int  # per rank, the largest over ranks
     state_bytes: int  # of which resident state (weights, gradient accumulators, optimizer)
+    collectives_free: bool = False  # timed in a fake process group (`runtime.profile`): compute only
 
     def fits(self, budget: int | None) -> bool:
         return budget is None or self.peak_bytes <= budget

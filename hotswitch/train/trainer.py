@@ -35,7 +35,7 @@ from hotswitch.models import PackedCausalLMLoss
 from hotswitch.runtime.compiled_model import CompiledModel
 from hotswitch.runtime.compiled_model import compile as hs_compile
 from hotswitch.search.auto import auto_configs
-from hotswitch.search.comm import CommProfile, comm_profile
+from hotswitch.search.comm import CommProfile, compiled_comm_profile
 from hotswitch.search.space import default_base
 from hotswitch.switch.state import JOB_STATE, StateKind, state_key
 from hotswitch.train import data as D
@@ -473,13 +473,7 @@ class Trainer:
         for config in self.configs:
             rows = self.rows_per_micro_batch(config, length)
             gm = self.cm.exec_graph(config.name, ((rows, length),) * 3)
-            groups = {}
-            for axis in ("dp", "tp"):
-                group = self.cm.process_group(config.name, axis)
-                if group is not None:
-                    ranks = dist.get_process_group_ranks(group)
-                    groups[group.group_name] = (len(ranks), max(ranks) - min(ranks) + 1)
-            out[config.name] = comm_profile(gm, config.name, rows // config.dp * length, groups)
+            out[config.name] = compiled_comm_profile(self.cm, config.name, gm, rows // config.dp * length)
         return out
 
     def _probe(self, config: DistConfig, length: int) -> Probe:
