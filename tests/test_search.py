@@ -327,7 +327,7 @@ def test_profiled_planning_on_one_device():
     collective rates kept as the hardware's."""
     import functools
 
-    from hotswitch.search.profiled import profile_space
+    from hotswitch.train.profiled import profile_space
 
     model = build_model("gpt-tiny")
     w = describe_workload(model)

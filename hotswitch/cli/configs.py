@@ -87,7 +87,7 @@ def run_configs(args) -> int:
             import sys
 
             from hotswitch.search import describe_workload
-            from hotswitch.search.profiled import profile_space
+            from hotswitch.train.profiled import profile_space
 
             probes, comm = profile_space(functools.partial(build_model, args.model), describe_workload(model),
                                          topology, lengths, micro_batch_tokens,

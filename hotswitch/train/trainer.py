@@ -150,7 +150,7 @@ class Trainer:
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
         self.search = None  # configs="auto": the search that chose them (hotswitch.search.SearchResult)
         if isinstance(configs, str) and configs == "auto":
-            meters = []  # a Trainer of the configs measured to calibrate; its LogicGraph is reused below
+            meters = []  # a Trainer of the space, to calibrate on; its LogicGraph is reused below
 
             def measure(space, timed, lengths):  # every config of the space, compiled only where read
                 meter = Trainer(model, space, memory_budget_bytes=memory_budget_bytes, logic=logic,

@@ -8,7 +8,8 @@ collectives its ExecGraph issues (`search.comm`). The compute rates are fitted t
 (`cost.calibrate` with collectives-free probes), the memory terms to those peaks, and the
 collectives are priced on the Topology's links by the Hardware's rates: nothing is assumed of the
 model's communication, nothing measured of the network. Every config is profiled at the shortest
-length, the calibration configs (`auto.calibration_configs`) at the longest too.
+length, the calibration configs (`search.auto.calibration_configs`) at the longest too. (It lives in
+`train`, beside the `Probe`s it makes: `search` stays free of processes.)
 """
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ from collections.abc import Callable, Sequence
 import torch
 
 from hotswitch.distconfig import Topology
-
-from .auto import calibration_configs
-from .comm import CommProfile
-from .cost import rows_per_replica
-from .space import enumerate_configs
-from .workload import Workload
+from hotswitch.runtime.profile import profile_rank
+from hotswitch.search.auto import calibration_configs
+from hotswitch.search.comm import CommProfile
+from hotswitch.search.cost import rows_per_replica
+from hotswitch.search.space import enumerate_configs
+from hotswitch.search.workload import Workload
+from hotswitch.train.cost_model import Probe
 
 __all__ = ["profile_space"]
 
@@ -33,9 +35,6 @@ def profile_space(build_model: Callable[[], torch.nn.Module], workload: Workload
     """Probes (`train.cost_model.Probe`, collectives free) and `CommProfile`s of the pp = 1 configs of
     the space, each from rank 0 profiled in its own process. `build_model()` (picklable) returns a
     model whose forward takes (input ids, targets) and returns the loss (`hotswitch.models.GPT`)."""
-    from hotswitch.runtime.profile import profile_rank
-    from hotswitch.train.cost_model import Probe
-
     say = progress or (lambda message: None)
     lengths = sorted({int(x) for x in lengths})
     flat = [c for c in enumerate_configs(workload, topology).configs if c.pp == 1]
