@@ -8,6 +8,11 @@ buckets of every replicated parameter. A `CommProfile` lists what one ExecGraph 
 collective: kind, bytes, group size and span, and whether it moves an activation (scales with the
 micro-batch's tokens) or a gradient (does not). Read once per config at one shape, it prices that
 config at every length (`cost.micro_batch_work(..., comm=profile)`).
+
+Which is which is read off the graph's phase: the forward's and backward's collectives count as
+activations, the final reduction's (tagged "reduce" by `compiler.lower`) as gradients. A weight gathered
+in the forward or a gradient reduced inside the backward would be scaled with the tokens wrongly;
+the compiler's pp = 1 graphs reduce every gradient in the final phase.
 """
 from __future__ import annotations
 
