@@ -2,16 +2,16 @@
 
 Megatron's rules (4 all-reduces per layer under TP, reduce-scatters and all-gathers under SP) are
 what the cost model assumes when nothing is compiled. The compiler's ExecGraphs differ from them
-where DTensor's strategy search chose otherwise: k/v heads gathered under tp > kv heads, the loss
-sharded over tp ranks (so replicated weights' gradients are partial and reduced), the gradient
-buckets of every replicated parameter. A `CommProfile` lists what one ExecGraph really issues, per
+where DTensor's strategy search chose otherwise: k/v heads gathered under tp > kv heads, work
+sharded over tokens on the tp ranks (gpt-tiny under tp4: nearly every weight's gradient comes out
+partial and is all-reduced whole, then sliced to its shard). A `CommProfile` lists what one ExecGraph really issues, per
 collective: kind, bytes, group size and span, and whether it moves an activation (scales with the
 micro-batch's tokens) or a gradient (does not). Read once per config at one shape, it prices that
 config at every length (`cost.micro_batch_work(..., comm=profile)`).
 
 Which is which is read off the graph's phase: the forward's and backward's collectives count as
-activations, the final reduction's (tagged "reduce" by `compiler.lower`) as gradients. A weight gathered
-in the forward or a gradient reduced inside the backward would be scaled with the tokens wrongly;
+activations, the final reduction's (tagged "reduce" by `compiler.lower`) as gradients. A weight
+gathered in the forward or a gradient reduced inside the backward would be scaled with the tokens wrongly;
 the compiler's pp = 1 graphs reduce every gradient in the final phase.
 """
 from __future__ import annotations
