@@ -671,13 +671,15 @@ def collectives(gm: fx.GraphModule, phase: str | None = None) -> list[fx.Node]:
             and (phase is None or n.meta.get("custom", {}).get("phase") == phase)]
 
 
+def collective_kind(node: fx.Node) -> str:
+    """'all_reduce', 'all_gather', 'reduce_scatter', 'all_to_all', ... of a collective node."""
+    op = str(node.target).split(".")[1]  # "_c10d_functional.all_reduce.default" -> "all_reduce"
+    return op.removesuffix("_into_tensor").removesuffix("_tensor").removesuffix("_single")
+
+
 def count_collectives(gm: fx.GraphModule, phase: str | None = None) -> Counter:
-    """Collective nodes of an ExecGraph by kind ('all_reduce', 'all_gather', 'reduce_scatter', ...)."""
-    kinds = Counter()
-    for node in collectives(gm, phase):
-        op = str(node.target).split(".")[1]  # "_c10d_functional.all_reduce.default" -> "all_reduce"
-        kinds[op.removesuffix("_into_tensor").removesuffix("_tensor")] += 1
-    return kinds
+    """Collective nodes of an ExecGraph by kind (`collective_kind`)."""
+    return Counter(collective_kind(node) for node in collectives(gm, phase))
 
 
 def _partial_dims(spec) -> tuple[int, ...]:

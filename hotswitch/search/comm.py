@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from hotswitch.compiler.lower import collectives
+from hotswitch.compiler.lower import collective_kind, collectives
 from hotswitch.distconfig import Topology
 
 __all__ = ["Collective", "CommProfile", "comm_profile", "compiled_comm_profile", "link_bandwidth", "ring_bytes"]
@@ -80,8 +80,7 @@ def comm_profile(gm: fx.GraphModule, config: str, tokens: int, groups: Mapping[s
     argument, as torch's functional collectives take it)."""
     out = []
     for node in collectives(gm):
-        kind = str(node.target).split(".")[1].removesuffix("_into_tensor").removesuffix("_tensor")
-        kind = kind.removesuffix("_single")
+        kind = collective_kind(node)
         value = node.args[0].meta["val"]
         group = node.args[-1]
         if group not in groups:

@@ -253,8 +253,7 @@ class Trainer:
 
         for k, bucket in enumerate(buckets):  # compile first use of a shape outside the timed step
             config = self.config(chosen[k])
-            rows = self.rows_per_micro_batch(config, bucket.high)
-            self.cm.exec_graph(config.name, ((rows, bucket.high),) * 3)
+            self._micro_batch_graph(config, bucket.high)
         compile_seconds = self._compile_seconds() - compile_before
         self._phase("compiled")
 
@@ -471,10 +470,15 @@ class Trainer:
         tokens (lowered here if it was not yet): what `configs="auto"` prices communication by."""
         out = {}
         for config in self.configs:
-            rows = self.rows_per_micro_batch(config, length)
-            gm = self.cm.exec_graph(config.name, ((rows, length),) * 3)
-            out[config.name] = compiled_comm_profile(self.cm, config.name, gm, rows // config.dp * length)
+            gm = self._micro_batch_graph(config, length)
+            tokens = self.rows_per_micro_batch(config, length) // config.dp * length  # per replica
+            out[config.name] = compiled_comm_profile(self.cm, config.name, gm, tokens)
         return out
+
+    def _micro_batch_graph(self, config: DistConfig, length: int):
+        """The ExecGraph of one micro-batch of rows of `length` tokens under `config` (lowered on first use)."""
+        rows = self.rows_per_micro_batch(config, length)
+        return self.cm.exec_graph(config.name, ((rows, length),) * 3)  # input ids, positions, targets
 
     def _probe(self, config: DistConfig, length: int) -> Probe:
         rows = self.rows_per_micro_batch(config, length)
