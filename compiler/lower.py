@@ -9,8 +9,9 @@ Two steps, kept apart so the first can be inspected and tested on its own:
    dim under sequence parallelism), except when its only consumers are additions of other partial
    values or the graph's outputs: that yields Megatron's collectives exactly (one reduction after
    q/k/v's input-gradients are summed, not three) and leaves gradients partial for the buckets.
-2. `lower`: an interpreter replays those decisions on this rank's local shards under `make_fx`,
-   so every collective becomes an explicit functional-collective node of the GraphModule; the data-
+2. `lower`: those decisions become this rank's program, built node by node on its local shapes
+   (each op's meta kernel gives them), every collective an explicit functional-collective node of
+   the GraphModule (DTensor's redistributions, traced by make_fx and copied in); the data-
    parallel gradient reduction is emitted last, bucketed, followed by the division by the loss
    denominator and the redistribution of every gradient into its parameter's layout.
 """
@@ -24,12 +25,11 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _dtensor as dt
 from ._dtensor import OpSchema
-from ._torch import FakeTensorMode, OpOverload, pytree
+from ._torch import FakeTensorMode, OpOverload, op_schema, pytree
 from .tp_rules import VIEW_OPS
 
 aten = torch.ops.aten
@@ -328,7 +328,7 @@ def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
     args = pytree.tree_map(to_schema, node.args)
     kwargs = pytree.tree_map(to_schema, dict(node.kwargs))
     try:
-        metas = _fake_run(node.target, args, kwargs)
+        metas = _meta_run(node.target, args, kwargs)
     except Exception:  # noqa: BLE001 - replay is an optimization: propagate this op the usual way
         return None
     if isinstance(out, list) != isinstance(metas, (tuple, list)):
@@ -432,7 +432,7 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
         like = specs[tensor_nodes[0]] if tensor_nodes else None
         placements = tuple(dt.Replicate() if (like is None or p.is_partial()) else p
                            for p in (like.placements if like else [dt.Replicate()] * mesh.ndim))
-        meta = _fake_run(target, args, kwargs)
+        meta = _meta_run(target, args, kwargs)
         spec = dt.make_spec(mesh, placements, meta)
         return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
                         want_specs=[specs[n] for n in tensor_nodes], args=args, kwargs=kwargs, out_spec=spec)
@@ -518,7 +518,7 @@ def _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs):
 def _fallback(node, mesh, specs, tensor_nodes, args, kwargs) -> Decision:
     """Run the op on replicated inputs (gathered first when they are not): always correct."""
     want = [dt.DTensorSpec(mesh, (dt.Replicate(),) * mesh.ndim, specs[n].tensor_meta) for n in tensor_nodes]
-    metas = _fake_run(node.target, args, kwargs)
+    metas = _meta_run(node.target, args, kwargs)
     make = lambda m: dt.make_spec(mesh, (dt.Replicate(),) * mesh.ndim, m) if isinstance(m, torch.Tensor) else None  # noqa: E731
     out = tuple(make(m) for m in metas) if isinstance(metas, (tuple, list)) else make(metas)
     return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes], want_specs=want,
@@ -528,15 +528,41 @@ def _fallback(node, mesh, specs, tensor_nodes, args, kwargs) -> Decision:
 _fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
 
-def _fake_run(target, args, kwargs):
-    def to_fake(a):
-        if isinstance(a, dt.DTensorSpec):
-            return torch.empty_strided(a.shape, a.stride, dtype=a.tensor_meta.dtype)
-        return a
+def _meta_run(target, args, kwargs, device: torch.device | None = None):
+    """What the op gives (shapes, strides, dtypes; no data) for inputs like `args`' tensors and
+    DTensorSpecs (a spec stands for a tensor of its global shape): its meta kernel run on meta
+    tensors, tens of microseconds. An op without a meta kernel runs on fake tensors on `device`
+    instead (milliseconds). Tensors come back on the meta device."""
+    def like(dev):
+        def convert(a):
+            if isinstance(a, dt.DTensorSpec):
+                return torch.empty_strided(a.shape, a.stride, dtype=a.tensor_meta.dtype, device=dev)
+            if isinstance(a, torch.Tensor):
+                return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=dev)
+            return a
+        return convert
 
-    with _fake_mode:
-        out = target(*pytree.tree_map(to_fake, args), **pytree.tree_map(to_fake, kwargs))
-    return out
+    meta_kwargs = {**kwargs, "device": torch.device("meta")} if _takes_device(target) else kwargs
+    try:
+        return target(*pytree.tree_map(like("meta"), args), **pytree.tree_map(like("meta"), meta_kwargs))
+    except (NotImplementedError, RuntimeError):  # no meta kernel (a real error raises again below)
+        with _fake_mode:
+            return _on_meta(target(*pytree.tree_map(like(device), args), **pytree.tree_map(like(device), kwargs)))
+
+
+def _takes_device(target) -> bool:
+    return isinstance(target, OpOverload) and any(a.name == "device" for a in op_schema(target).arguments)
+
+
+def _on_meta(value):
+    """Shapes, strides and dtypes of `value` (a tensor, or a tuple or list of them) on the meta device."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            return value
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_meta(v) for v in value)
+    return value
 
 
 # --------------------------------------------------------------------------------------------- lowering
@@ -575,17 +601,17 @@ def lower(
     bucket_bytes: int = BUCKET_BYTES,
     device: torch.device | None = None,
 ) -> fx.GraphModule:
-    """Trace this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
+    """Build this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
 
     With a StageOutputPlan: (outputs of the stage graph...) out, sent values in their neighbours'
     layouts and nothing reduced over the data-parallel axis. `device`: where the program runs; the
     LogicGraph's factory ops (masks, positions, zeros) were traced on the model's device and are
-    placed there instead.
+    placed there instead. `local_inputs`: examples of this rank's inputs (only their shapes, strides,
+    dtypes and device are read).
     """
     decisions = sharding.decisions
     on_device = (lambda kwargs: kwargs) if device is None else (  # noqa: E731
         lambda kwargs: {**kwargs, "device": device} if "device" in kwargs else kwargs)
-
     if isinstance(out_plan, StageOutputPlan):
         _tag_phases(graph, out_plan.forward_outputs)
         finish = lambda leaves: _finish_stage(leaves, sharding.output_specs, out_plan)  # noqa: E731
@@ -593,55 +619,170 @@ def lower(
         _tag_phases(graph, out_plan.num_losses)
         finish = lambda leaves: _finish(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes)  # noqa: E731
 
-    def step(node, env, moved):
+    program = _ProgramBuilder(local_inputs[0].device if local_inputs else device or torch.device("cpu"))
+    env: dict[fx.Node, Any] = {}
+    moved: dict[tuple, fx.Node] = {}  # (value, placements): one all-gather of a tensor serves all its consumers
+    inputs = iter(local_inputs)
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            env[node] = program.placeholder(next(inputs))
+            continue
+        if node.op == "output":
+            leaves = [env[a] for a in pytree.tree_leaves(node.args[0])]
+            program.output(program.inline(None, lambda *values: finish(list(values)), leaves, node))
+            break
         d = decisions[node]
         if d.kind == "drop":
-            return
+            continue
         if d.kind == "const":
             env[node] = d.value
-            return
-        if d.kind == "getitem":
-            env[node] = env[node.args[0]][node.args[1]]
-            return
-        tensors = []
-        for src, have, want in zip(d.tensor_nodes, d.in_specs, d.want_specs):
-            value = env[src]
-            if have.placements != want.placements:
-                key = (src, want.placements)
-                if key not in moved:  # one all-gather of a tensor serves all its consumers
-                    moved[key] = dt.redistribute(value, have, want)
-                value = moved[key]
-            tensors.append(value)
-        tensors_it = iter(tensors)
-        fill = lambda a: next(tensors_it) if isinstance(a, dt.DTensorSpec) else a  # noqa: E731
+        elif d.kind == "getitem":
+            env[node] = program.getitem(env[node.args[0]], node.args[1], node.args[0])  # a part of its op
+        elif _has_mask_partial(d):
+            # a vocab-parallel _MaskPartial carries the mask its input redistribution computes to the
+            # reduction of the op's output: the three are traced together
+            env[node] = program.inline(None, _run_decision(node, d, on_device),
+                                       [env[n] for n in d.tensor_nodes], node)
+        else:
+            tensors = []
+            for src, have, want in zip(d.tensor_nodes, d.in_specs, d.want_specs):
+                value = env[src]
+                if have.placements != want.placements:
+                    key = (src, want.placements)
+                    if key not in moved:
+                        moved[key] = program.redistribute(value, have, want, node)
+                    value = moved[key]
+                tensors.append(value)
+            it = iter(tensors)
+            fill = lambda a: next(it) if isinstance(a, dt.DTensorSpec) else a  # noqa: E731
+            out = program.call(node.target, pytree.tree_map(fill, d.args),
+                               on_device(pytree.tree_map(fill, dict(d.kwargs))), node)
+            if d.reduce_to is not None:
+                out = program.redistribute(out, d.out_spec, d.reduce_to, node)
+            env[node] = out
+    return program.module()
+
+
+def _has_mask_partial(d: Decision) -> bool:
+    specs = [*d.in_specs, *d.want_specs, d.reduce_to,
+             *(d.out_spec if isinstance(d.out_spec, (tuple, list)) else (d.out_spec,))]
+    return any(isinstance(p, dt.MaskPartial) for s in specs if isinstance(s, dt.DTensorSpec) for p in s.placements)
+
+
+def _run_decision(node: fx.Node, d: Decision, on_device):
+    """`d` executed on local tensors (the ones of `d.tensor_nodes`, in order): its input
+    redistributions, the op, its output's reduction."""
+    def run(*values):
+        tensors = [dt.redistribute(v, have, want) if have.placements != want.placements else v
+                   for v, have, want in zip(values, d.in_specs, d.want_specs)]
+        it = iter(tensors)
+        fill = lambda a: next(it) if isinstance(a, dt.DTensorSpec) else a  # noqa: E731
         out = node.target(*pytree.tree_map(fill, d.args), **on_device(pytree.tree_map(fill, dict(d.kwargs))))
-        if d.reduce_to is not None:
-            out = dt.redistribute(out, d.out_spec, d.reduce_to)
-        env[node] = out
+        return dt.redistribute(out, d.out_spec, d.reduce_to) if d.reduce_to is not None else out
+    return run
 
-    def run(*flat):
+
+# what a node of the program keeps of the LogicGraph node it comes from (what make_fx's
+# `preserve_node_meta` copies): its phase, source line and module path
+_SOURCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "custom")
+
+
+class _ProgramBuilder:
+    """One rank's ExecGraph, emitted node by node.
+
+    A LogicGraph op becomes one node calling the same op on local values; its `meta["val"]` (the
+    local shape, strides and dtype) comes from running the op's meta kernel on meta tensors, tens of
+    microseconds, where tracing it through make_fx's proxy and fake-tensor modes took 2-3 ms. Only what
+    DTensor executes for us (redistributions, the bucketed reduction at the end) is traced by make_fx,
+    each distinct one once per program, and its nodes are copied in. Every `meta["val"]` is a tensor
+    on the meta device."""
+
+    def __init__(self, device: torch.device):
+        self.graph = fx.Graph()
+        self.device = device  # where the examples for make_fx are made (DTensor reads their device)
+        self.attrs: dict[str, torch.Tensor] = {}
+        self.traced: dict[Any, fx.GraphModule] = {}
+        self.placeholders = 0
+
+    def placeholder(self, example: torch.Tensor) -> fx.Node:
+        node = self.graph.placeholder(f"arg{self.placeholders}_1")
+        self.placeholders += 1
+        node.meta["val"] = _on_meta(example)
+        return node
+
+    def call(self, target, args, kwargs, source: fx.Node) -> fx.Node:
+        val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
+        out = _meta_run(target, pytree.tree_map(val, args), pytree.tree_map(val, kwargs), self.device)
+        node = self.graph.call_function(target, tuple(args), dict(kwargs))
+        return self._annotate(node, out, source)
+
+    def getitem(self, value: fx.Node, index: int, source: fx.Node) -> fx.Node:
+        node = self.graph.call_function(operator.getitem, (value, index))
+        return self._annotate(node, value.meta["val"][index], source)
+
+    def redistribute(self, value: fx.Node, have, want, source: fx.Node) -> fx.Node:
+        v = value.meta["val"]
+        key = ("redistribute", have, want, tuple(v.shape), v.stride(), v.dtype)
+        return self.inline(key, lambda t: dt.redistribute(t, have, want), [value], source)
+
+    def inline(self, key, fn, inputs: list, source: fx.Node):
+        """`fn(*inputs)` traced by make_fx (once per `key`; None: every time) and copied in; its result
+        with nodes of this program in place of the traced ones. Non-tensor inputs are passed as they are."""
+        tensors = [a for a in inputs if isinstance(a, fx.Node)]
+
+        def on_tensors(*values):
+            it = iter(values)
+            return fn(*[next(it) if isinstance(a, fx.Node) else a for a in inputs])
+
+        sub = self.traced.get(key) if key is not None else None
+        if sub is None:
+            examples = [_example(n.meta["val"], self.device) for n in tensors]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sub = make_fx(on_tensors, tracing_mode="fake")(*examples)
+            if key is not None:
+                self.traced[key] = sub
         env: dict[fx.Node, Any] = {}
-        moved: dict[tuple, torch.Tensor] = {}
-        it = iter(flat)
-        for node in graph.nodes:
-            if node.op == "placeholder":
-                env[node] = next(it)
-            elif node.op == "output":
-                leaves = [env[a] for a in pytree.tree_leaves(node.args[0])]
-                with fx_traceback.set_current_meta(node):  # tagged phase "reduce"
-                    return finish(leaves)
+        placeholders = iter(tensors)
+        result = None
+        for n in sub.graph.nodes:
+            if n.op == "placeholder":
+                env[n] = next(placeholders)
+            elif n.op == "output":
+                result = fx.node.map_arg(n.args[0], lambda a: env[a])
+            elif n.op == "get_attr":
+                name = f"_constant{len(self.attrs)}"
+                self.attrs[name] = getattr(sub, n.target)
+                env[n] = self._annotate(self.graph.get_attr(name), n.meta.get("val"), source)
             else:
-                # Nodes traced here inherit the source node's meta: its phase, source line, module path.
-                with fx_traceback.set_current_meta(node):
-                    step(node, env, moved)
-        raise AssertionError("graph without output")
+                env[n] = self._annotate(self.graph.node_copy(n, lambda a: env[a]), n.meta.get("val"), source)
+        return result
 
-    with warnings.catch_warnings(), fx_traceback.preserve_node_meta():
-        warnings.simplefilter("ignore")
-        gm = make_fx(run, tracing_mode="fake")(*local_inputs)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+    def output(self, result) -> None:
+        self.graph.output(result)
+
+    def module(self) -> fx.GraphModule:
+        root = torch.nn.Module()
+        for name, value in self.attrs.items():
+            setattr(root, name, value)
+        gm = fx.GraphModule(root, self.graph)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return gm
+
+    @staticmethod
+    def _annotate(node: fx.Node, val, source: fx.Node) -> fx.Node:
+        node.meta = {k: source.meta[k] for k in _SOURCE_META if k in source.meta}
+        if val is not None:
+            node.meta["val"] = _on_meta(val)
+        return node
+
+
+def _example(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An uninitialized tensor like `meta` on `device` for make_fx to trace with (DTensor's uneven
+    _StridedShard gather builds index tensors from real values; faked inputs would make them
+    data-dependent)."""
+    return torch.empty_strided(meta.shape, meta.stride(), dtype=meta.dtype, device=device)
 
 
 def _tag_phases(graph: fx.Graph, forward_outputs: int | tuple[int, ...]) -> None:

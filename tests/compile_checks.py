@@ -136,3 +136,32 @@ def replay_equals_fresh(kind: str, config, seqs=(SEQ, 20), **overrides) -> dict:
                           searched=sharding.searched,
                           grads={k: v.clone() for k, v in cm.full_grads().items()})
     return out
+
+
+def lowering_equals_make_fx(kind: str, configs, **overrides) -> dict:
+    """Compile `configs` with every program built twice: by `compiler.lower.lower` and by the make_fx
+    interpreter of `tests.reference_lowering`. {config: [first difference per program]} (None: equal)."""
+    import hotswitch.compiler.program as program
+    from hotswitch.compiler.lower import BUCKET_BYTES
+    from tests.reference_lowering import lower_by_make_fx, same_program
+
+    found: list[str | None] = []
+    original = program.lower
+
+    def both(graph, sharding, local, plan, mesh, bucket_bytes=BUCKET_BYTES, device=None):
+        gm = original(graph, sharding, local, plan, mesh, bucket_bytes, device=device)
+        found.append(same_program(gm, lower_by_make_fx(graph, sharding, local, plan, mesh, bucket_bytes, device)))
+        return gm
+
+    os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered here, none loaded
+    program.lower = both
+    try:
+        out = {}
+        for config in configs:
+            found.clear()
+            hs.compile(make_model(kind, **overrides), batch(), configs=[config])
+            out[config.name] = list(found)
+        return out
+    finally:
+        program.lower = original
+        del os.environ["HOTSWITCH_CACHE"]

@@ -9,7 +9,7 @@ from torch import nn
 import hotswitch as hs
 from hotswitch.compiler.lower import ShardingError
 from hotswitch.models import GPT, GPTConfig
-from tests.compile_checks import assert_equivalent, batch, make_model, reference, rel_err
+from tests.compile_checks import assert_equivalent, batch, lowering_equals_make_fx, make_model, reference, rel_err
 from tests.distributed import dist_fixture
 
 pytestmark = pytest.mark.slow  # spawns gloo processes and compiles; `-m 'not slow'` leaves it out
@@ -117,7 +117,16 @@ def check_a_warm_cache_replays_decisions():
     return out
 
 
-results = dist_fixture(2, [check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
+def check_lowering_equals_make_fx():
+    """Programs built node by node equal the make_fx interpreter's: a vocab-parallel embedding and
+    sequence parallelism (our GPT), pipeline stages, GQA's strided heads (Llama), Conv1D (GPT-2)."""
+    return {"gpt": lowering_equals_make_fx("gpt", [hs.DistConfig("tp2sp", tp=2, sp=True), hs.DistConfig("pp2", pp=2)]),
+            "llama": lowering_equals_make_fx("llama", [hs.DistConfig("tp2sp", tp=2, sp=True)]),
+            "gpt2": lowering_equals_make_fx("gpt2", [hs.DistConfig("tp2", tp=2)])}
+
+
+results = dist_fixture(2, [check_lowering_equals_make_fx, check_gpt_equivalence, check_llama_equivalence,
+                           check_gpt2_equivalence,
                            check_a_warm_cache_replays_decisions,
                            check_wrong_device_count, check_tp_not_dividing_heads, check_unknown_config,
                            check_op_without_rule, check_op_without_rule_non_strict])
@@ -179,3 +188,11 @@ def test_a_warm_cache_replays_decisions(results):
         assert cold["programs"] == ((0, 0) if cold is searcher else (0, 1)) and not cold["loaded"]
         assert warm["programs"] == (1, 0) and warm["loaded"] and warm["targets"] == cold["targets"]
         assert all(torch.equal(warm["grads"][k], v) for k, v in cold["grads"].items())
+
+
+def test_lowering_builds_the_program_make_fx_would_trace(results):
+    for rank in results["check_lowering_equals_make_fx"].raise_if_failed():
+        for model, configs in rank.items():
+            for config, differences in configs.items():
+                assert differences, (model, config, "no program was lowered")
+                assert differences == [None] * len(differences), (model, config, differences)
