@@ -542,12 +542,43 @@ def _meta_run(target, args, kwargs, device: torch.device | None = None):
             return a
         return convert
 
+    try:
+        key = (target, _signature(args), _signature(kwargs), device)
+    except TypeError:  # an argument that cannot be a key: run the op
+        key = None
+    if key is not None and key in _META_MEMO:
+        return _META_MEMO[key]
     meta_kwargs = {**kwargs, "device": torch.device("meta")} if _takes_device(target) else kwargs
     try:
-        return target(*pytree.tree_map(like("meta"), args), **pytree.tree_map(like("meta"), meta_kwargs))
+        out = target(*pytree.tree_map(like("meta"), args), **pytree.tree_map(like("meta"), meta_kwargs))
     except (NotImplementedError, RuntimeError):  # no meta kernel (a real error raises again below)
         with _fake_mode:
-            return _on_meta(target(*pytree.tree_map(like(device), args), **pytree.tree_map(like(device), kwargs)))
+            out = _on_meta(target(*pytree.tree_map(like(device), args), **pytree.tree_map(like(device), kwargs)))
+    if key is not None:
+        if len(_META_MEMO) > 100_000:
+            _META_MEMO.clear()
+        _META_MEMO[key] = out
+    return out
+
+
+# op and inputs (`_signature`) -> what `_meta_run` gave: repeated blocks, other configs and other
+# lengths ask for the same ops on the same shapes again. Values only (meta tensors), never mutated.
+_META_MEMO: dict = {}
+
+
+def _signature(a):
+    """What an op's result shapes can depend on: tensors' and specs' shapes, strides and dtypes, other
+    arguments by type and value (1 and 1.0 promote differently). TypeError: not hashable."""
+    if isinstance(a, dt.DTensorSpec):
+        return ("tensor", tuple(a.shape), tuple(a.stride), a.tensor_meta.dtype)
+    if isinstance(a, torch.Tensor):
+        return ("tensor", tuple(a.shape), tuple(a.stride()), a.dtype)
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__, tuple(_signature(x) for x in a))
+    if isinstance(a, dict):
+        return ("dict", tuple((k, _signature(v)) for k, v in a.items()))
+    hash(a)
+    return (type(a), a)
 
 
 def _takes_device(target) -> bool:
@@ -600,6 +631,7 @@ def lower(
     mesh: dt.DeviceMesh,
     bucket_bytes: int = BUCKET_BYTES,
     device: torch.device | None = None,
+    traced: dict | None = None,
 ) -> fx.GraphModule:
     """Build this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
 
@@ -607,7 +639,8 @@ def lower(
     layouts and nothing reduced over the data-parallel axis. `device`: where the program runs; the
     LogicGraph's factory ops (masks, positions, zeros) were traced on the model's device and are
     placed there instead. `local_inputs`: examples of this rank's inputs (only their shapes, strides,
-    dtypes and device are read).
+    dtypes and device are read). `traced`: a dict the caller owns (one per config, say) that keeps
+    the redistributions traced here for its later programs.
     """
     decisions = sharding.decisions
     on_device = (lambda kwargs: kwargs) if device is None else (  # noqa: E731
@@ -619,7 +652,7 @@ def lower(
         _tag_phases(graph, out_plan.num_losses)
         finish = lambda leaves: _finish(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes)  # noqa: E731
 
-    program = _ProgramBuilder(local_inputs[0].device if local_inputs else device or torch.device("cpu"))
+    program = _ProgramBuilder(local_inputs[0].device if local_inputs else device or torch.device("cpu"), traced)
     env: dict[fx.Node, Any] = {}
     moved: dict[tuple, fx.Node] = {}  # (value, placements): one all-gather of a tensor serves all its consumers
     inputs = iter(local_inputs)
@@ -697,11 +730,11 @@ class _ProgramBuilder:
     each distinct one once per program, and its nodes are copied in. Every `meta["val"]` is a tensor
     on the meta device."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, traced: dict | None = None):
         self.graph = fx.Graph()
         self.device = device  # where the examples for make_fx are made (DTensor reads their device)
         self.attrs: dict[str, torch.Tensor] = {}
-        self.traced: dict[Any, fx.GraphModule] = {}
+        self.traced: dict[Any, tuple] = {} if traced is None else traced
         self.placeholders = 0
 
     def placeholder(self, example: torch.Tensor) -> fx.Node:
@@ -722,7 +755,8 @@ class _ProgramBuilder:
 
     def redistribute(self, value: fx.Node, have, want, source: fx.Node) -> fx.Node:
         v = value.meta["val"]
-        key = ("redistribute", have, want, tuple(v.shape), v.stride(), v.dtype)
+        # by the mesh's identity: meshes alike in shape may have other process groups (a new generation)
+        key = ("redistribute", id(have.mesh), have, want, tuple(v.shape), v.stride(), v.dtype, self.device)
         return self.inline(key, lambda t: dt.redistribute(t, have, want), [value], source)
 
     def inline(self, key, fn, inputs: list, source: fx.Node):
@@ -734,14 +768,14 @@ class _ProgramBuilder:
             it = iter(values)
             return fn(*[next(it) if isinstance(a, fx.Node) else a for a in inputs])
 
-        sub = self.traced.get(key) if key is not None else None
+        sub = self.traced[key][0] if key in self.traced else None
         if sub is None:
             examples = [_example(n.meta["val"], self.device) for n in tensors]
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 sub = make_fx(on_tensors, tracing_mode="fake")(*examples)
             if key is not None:
-                self.traced[key] = sub
+                self.traced[key] = (sub, fn)  # fn keeps what the key names by identity (the mesh) alive
         env: dict[fx.Node, Any] = {}
         placeholders = iter(tensors)
         result = None

@@ -136,7 +136,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                   strict: bool = True, memo: dict | None = None, decided: ShardingDecisions | None = None,
                   cache: CompileCache | None = None) -> StageProgram:
     """Lower one stage (None: the whole model) for local micro-batches of `local_shapes` (this rank's
-    rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`);
+    rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`;
+    it also keeps the redistributions `lower` traced);
     `decided`: the same graph's decisions under the same placements at another shape, replayed
     instead of searched (the program's `decisions` are what to pass next time); `cache`: a persistent
     CompileCache, or one with its get / put / key / failed / report that also shares entries between
@@ -271,7 +272,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 shared = None  # nothing to publish: another rank (or an earlier process) lowered it
         if gm is None:
             try:
-                gm = lower(graph, sharding, local, plan, mesh, device=where.device)
+                gm = lower(graph, sharding, local, plan, mesh, device=where.device,
+                           traced=None if memo is None else memo.setdefault("traced", {}))
             except BaseException:
                 if shared is not None:
                     cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)
