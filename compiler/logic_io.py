@@ -119,16 +119,23 @@ def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: di
             symints[v.ident] = symint(v.expr)
         return symints[v.ident]
 
-    def value(v):
+    made: dict[_Tensor, torch.Tensor] = {}  # a fake tensor with symbolic sizes costs milliseconds to make
+
+    def value(v, shared: bool = True):
         if isinstance(v, _Tensor):
+            if shared and v in made:
+                return made[v]
             sizes, strides = [size(s) for s in v.sizes], [size(s) for s in v.strides]
             with fake_mode:
                 t = torch.empty_strided(sizes, strides, dtype=v.dtype, device=v.device)
-            return t.requires_grad_(v.requires_grad) if v.dtype.is_floating_point else t
+            t = t.requires_grad_(v.requires_grad) if v.dtype.is_floating_point else t
+            if shared:
+                made[v] = t
+            return t
         if isinstance(v, _SymInt):
             return size(v)
         if isinstance(v, (list, tuple)):
-            return type(v)(value(x) for x in v)
+            return type(v)(value(x, shared) for x in v)
         return v
 
     for name, op, target, args, kwargs, meta, val in nodes:
@@ -137,7 +144,9 @@ def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: di
         node = graph.create_node(op, _op(target) if isinstance(target, _Op) else target, args, kwargs, name=name)
         node.meta.update(meta)
         if val is not None:
-            node.meta["val"] = value(val)
+            # nodes alike in shape share one value (a description, never written to); inputs do not:
+            # a trace of the graph would take two placeholders with one value for aliases
+            node.meta["val"] = value(val, shared=op != "placeholder")
         by_name[name] = node
     return fx.GraphModule(root, graph)
 

@@ -148,8 +148,8 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> dict:
     found: list[str | None] = []
     original = program.lower
 
-    def both(graph, sharding, local, plan, mesh, bucket_bytes=BUCKET_BYTES, device=None):
-        gm = original(graph, sharding, local, plan, mesh, bucket_bytes, device=device)
+    def both(graph, sharding, local, plan, mesh, bucket_bytes=BUCKET_BYTES, device=None, traced=None):
+        gm = original(graph, sharding, local, plan, mesh, bucket_bytes, device=device, traced=traced)
         found.append(same_program(gm, lower_by_make_fx(graph, sharding, local, plan, mesh, bucket_bytes, device)))
         return gm
 
