@@ -49,7 +49,7 @@ _propagator = DTensor._op_dispatcher.sharding_propagator
 #   for _StridedShard specs that runs a graph search per call (~40 ms), and DTensor's own cache keys
 #   on whole specs, so it almost never hits across the nodes of one graph. The price depends only on
 #   the mesh's shape and devices, both placements (with shard orders), the global shape and dtype:
-#   memoized on those values, in the caller's memo.
+#   memoized on those values, for the whole process (every model and config compiled in it).
 _pinned: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar("hotswitch_pinned", default=frozenset())
 _memo: contextvars.ContextVar[dict | None] = contextvars.ContextVar("hotswitch_memo", default=None)
 
@@ -72,12 +72,16 @@ def _spec_key(spec) -> tuple:
             None if meta is None else (tuple(meta.shape), meta.dtype))
 
 
+_COSTS: dict[tuple, float] = {}  # (mesh, current, target) as values -> DTensor's redistribute_cost
+
+
 def _memoized_cost(original, current: DTensorSpec, target: DTensorSpec) -> float:
-    costs = _memo.get()["cost"]
     key = (_mesh_key(current.mesh), _spec_key(current), _spec_key(target))
-    cost = costs.get(key)
+    cost = _COSTS.get(key)
     if cost is None:
-        cost = costs[key] = original(current, target)
+        if len(_COSTS) > 200_000:
+            _COSTS.clear()
+        cost = _COSTS[key] = original(current, target)
     return cost
 
 
@@ -114,13 +118,12 @@ def _select_keeping_pinned(original, strategy: OpStrategy, op_schema: OpSchema |
 def propagation(memo: dict | None = None) -> Iterator[dict]:
     """hotswitch's strategy selection and cost memo, only inside this block; torch's own functions
     are back on exit (also on error). `memo` (a dict the caller owns, e.g. one per compiled model)
-    caches propagation results and prices across the graphs lowered with it; it holds values only
-    and dies with its owner. Nested blocks reuse the outer one's memo."""
+    caches propagation results across the graphs lowered with it (prices, plain values, are kept for
+    the whole process); it dies with its owner. Nested blocks reuse the outer one's memo."""
     if _memo.get() is not None:
         yield _memo.get()
         return
     memo = {} if memo is None else memo
-    memo.setdefault("cost", {})
     memo.setdefault("op", {})
     memo.setdefault("mesh", {})
     original_cost, original_select = _op_utils.redistribute_cost, _sp._select_min_cost_strategy

@@ -119,18 +119,21 @@ def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: di
             symints[v.ident] = symint(v.expr)
         return symints[v.ident]
 
-    made: dict[_Tensor, torch.Tensor] = {}  # a fake tensor with symbolic sizes costs milliseconds to make
+    made: dict[tuple, torch.Tensor] = {}  # a fake tensor with symbolic sizes costs milliseconds to make
+    expr = lambda s: s.expr if isinstance(s, _SymInt) else s  # noqa: E731
 
     def value(v, shared: bool = True):
         if isinstance(v, _Tensor):
-            if shared and v in made:
-                return made[v]
+            key = (tuple(map(expr, v.sizes)), tuple(map(expr, v.strides)), expr(v.offset), v.dtype, v.device,
+                   v.requires_grad)
+            if shared and key in made:
+                return made[key]
             sizes, strides = [size(s) for s in v.sizes], [size(s) for s in v.strides]
             with fake_mode:
                 t = torch.empty_strided(sizes, strides, dtype=v.dtype, device=v.device)
             t = t.requires_grad_(v.requires_grad) if v.dtype.is_floating_point else t
             if shared:
-                made[v] = t
+                made[key] = t
             return t
         if isinstance(v, _SymInt):
             return size(v)
