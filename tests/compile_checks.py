@@ -138,9 +138,10 @@ def replay_equals_fresh(kind: str, config, seqs=(SEQ, 20), **overrides) -> dict:
     return out
 
 
-def lowering_equals_make_fx(kind: str, configs, **overrides) -> dict:
-    """Compile `configs` with every program built twice: by `compiler.lower.lower` and by the make_fx
-    interpreter of `tests.reference_lowering`. {config: [first difference per program]} (None: equal)."""
+def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]:
+    """Compile `configs` (one trace) with every program built twice: by `compiler.lower.lower` and by
+    the make_fx interpreter of `tests.reference_lowering`. The first difference per program (None:
+    the same graph), in the order the programs were lowered."""
     import hotswitch.compiler.program as program
     from hotswitch.compiler.lower import BUCKET_BYTES
     from tests.reference_lowering import lower_by_make_fx, same_program
@@ -156,12 +157,8 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> dict:
     os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered here, none loaded
     program.lower = both
     try:
-        out = {}
-        for config in configs:
-            found.clear()
-            hs.compile(make_model(kind, **overrides), batch(), configs=[config])
-            out[config.name] = list(found)
-        return out
+        hs.compile(make_model(kind, **overrides), batch(), configs=list(configs))
+        return found
     finally:
         program.lower = original
         del os.environ["HOTSWITCH_CACHE"]

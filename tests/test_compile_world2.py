@@ -192,7 +192,7 @@ def test_a_warm_cache_replays_decisions(results):
 
 def test_lowering_builds_the_program_make_fx_would_trace(results):
     for rank in results["check_lowering_equals_make_fx"].raise_if_failed():
-        for model, configs in rank.items():
-            for config, differences in configs.items():
-                assert differences, (model, config, "no program was lowered")
-                assert differences == [None] * len(differences), (model, config, differences)
+        for model, differences in rank.items():
+            expected = 2 if model == "gpt" else 1  # tp2sp's program and this rank's pp2 stage
+            assert len(differences) >= expected, (model, "programs lowered:", len(differences))
+            assert differences == [None] * len(differences), (model, differences)
