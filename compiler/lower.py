@@ -643,15 +643,8 @@ def lower(
     the redistributions traced here for its later programs.
     """
     decisions = sharding.decisions
-    on_device = (lambda kwargs: kwargs) if device is None else (  # noqa: E731
-        lambda kwargs: {**kwargs, "device": device} if "device" in kwargs else kwargs)
-    if isinstance(out_plan, StageOutputPlan):
-        _tag_phases(graph, out_plan.forward_outputs)
-        finish = lambda leaves: _finish_stage(leaves, sharding.output_specs, out_plan)  # noqa: E731
-    else:
-        _tag_phases(graph, out_plan.num_losses)
-        finish = lambda leaves: _finish(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes)  # noqa: E731
-
+    on_device = placed_on(device)
+    finish = output_finisher(graph, sharding, out_plan, mesh, bucket_bytes)
     program = _ProgramBuilder(local_inputs[0].device if local_inputs else device or torch.device("cpu"), traced)
     env: dict[fx.Node, Any] = {}
     moved: dict[tuple, fx.Node] = {}  # (value, placements): one all-gather of a tensor serves all its consumers
@@ -694,6 +687,24 @@ def lower(
                 out = program.redistribute(out, d.out_spec, d.reduce_to, node)
             env[node] = out
     return program.module()
+
+
+def placed_on(device: torch.device | None):
+    """kwargs -> kwargs with a factory op's `device` replaced by `device` (None: left as traced)."""
+    if device is None:
+        return lambda kwargs: kwargs
+    return lambda kwargs: {**kwargs, "device": device} if "device" in kwargs else kwargs
+
+
+def output_finisher(graph: fx.Graph, sharding: GraphSharding, out_plan: OutputPlan | StageOutputPlan, mesh,
+                    bucket_bytes: int):
+    """Tags `graph`'s phases for `out_plan` and returns what turns its output values (local tensors,
+    in the output's order) into the program's results."""
+    if isinstance(out_plan, StageOutputPlan):
+        _tag_phases(graph, out_plan.forward_outputs)
+        return lambda leaves: _finish_stage(leaves, sharding.output_specs, out_plan)
+    _tag_phases(graph, out_plan.num_losses)
+    return lambda leaves: _finish(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes)
 
 
 def _has_mask_partial(d: Decision) -> bool:

@@ -1,5 +1,6 @@
 """The lowering as it was first written, for tests only: `compiler.lower.lower`'s decisions replayed
-by an interpreter under make_fx, every op traced through torch's proxy and fake-tensor modes.
+by an interpreter under make_fx, every op traced through torch's proxy and fake-tensor modes. (The
+interpreter's loop is restated here on purpose: it is the oracle; the outputs' finishing is shared.)
 
 `compiler.lower.lower` emits the same program node by node instead (an op's local shapes from its
 meta kernel; only DTensor's redistributions and the final reduction traced). `same_program` checks
@@ -18,21 +19,15 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hotswitch.compiler import _dtensor as dt
 from hotswitch.compiler._torch import pytree
-from hotswitch.compiler.lower import StageOutputPlan, _finish, _finish_stage, _tag_phases
+from hotswitch.compiler.lower import output_finisher, placed_on
 
 __all__ = ["lower_by_make_fx", "same_program"]
 
 
 def lower_by_make_fx(graph, sharding, local_inputs, out_plan, mesh, bucket_bytes, device=None) -> fx.GraphModule:
     decisions = sharding.decisions
-    on_device = (lambda kwargs: kwargs) if device is None else (  # noqa: E731
-        lambda kwargs: {**kwargs, "device": device} if "device" in kwargs else kwargs)
-    if isinstance(out_plan, StageOutputPlan):
-        _tag_phases(graph, out_plan.forward_outputs)
-        finish = lambda leaves: _finish_stage(leaves, sharding.output_specs, out_plan)  # noqa: E731
-    else:
-        _tag_phases(graph, out_plan.num_losses)
-        finish = lambda leaves: _finish(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes)  # noqa: E731
+    on_device = placed_on(device)
+    finish = output_finisher(graph, sharding, out_plan, mesh, bucket_bytes)
 
     def step(node, env, moved):
         d = decisions[node]
