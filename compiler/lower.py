@@ -655,7 +655,11 @@ def lower(
             continue
         if node.op == "output":
             leaves = [env[a] for a in pytree.tree_leaves(node.args[0])]
-            program.output(program.inline(None, lambda *values: finish(list(values)), leaves, node))
+            # what the end depends on: the outputs' local and global layouts (a gradient's are its
+            # parameter's), not the sequence length: traced once per config, reused at other lengths
+            key = ("finish", id(mesh), out_plan, tuple(sharding.output_specs), bucket_bytes, device,
+                   tuple(_layout(v.meta["val"]) if isinstance(v, fx.Node) else ("const", repr(v)) for v in leaves))
+            program.output(program.inline(key, lambda *values: finish(list(values)), leaves, node))
             break
         d = decisions[node]
         if d.kind == "drop":
@@ -667,8 +671,15 @@ def lower(
         elif _has_mask_partial(d):
             # a vocab-parallel _MaskPartial carries the mask its input redistribution computes to the
             # reduction of the op's output: the three are traced together
-            env[node] = program.inline(None, _run_decision(node, d, on_device),
-                                       [env[n] for n in d.tensor_nodes], node)
+            inputs = [env[n] for n in d.tensor_nodes]
+            try:
+                out = tuple(d.out_spec) if isinstance(d.out_spec, (tuple, list)) else d.out_spec
+                key = ("decision", id(mesh), node.target, tuple(d.in_specs), tuple(d.want_specs), out, d.reduce_to,
+                       _signature(d.args), _signature(d.kwargs), tuple(_layout(v.meta["val"]) for v in inputs), device)
+                hash(key)
+            except TypeError:  # an argument that cannot be a key: traced every time
+                key = None
+            env[node] = program.inline(key, _run_decision(node, d, on_device), inputs, node)
         else:
             tensors = []
             for src, have, want in zip(d.tensor_nodes, d.in_specs, d.want_specs):
@@ -765,9 +776,8 @@ class _ProgramBuilder:
         return self._annotate(node, value.meta["val"][index], source)
 
     def redistribute(self, value: fx.Node, have, want, source: fx.Node) -> fx.Node:
-        v = value.meta["val"]
         # by the mesh's identity: meshes alike in shape may have other process groups (a new generation)
-        key = ("redistribute", id(have.mesh), have, want, tuple(v.shape), v.stride(), v.dtype, self.device)
+        key = ("redistribute", id(have.mesh), have, want, _layout(value.meta["val"]), self.device)
         return self.inline(key, lambda t: dt.redistribute(t, have, want), [value], source)
 
     def inline(self, key, fn, inputs: list, source: fx.Node):
@@ -810,10 +820,8 @@ class _ProgramBuilder:
         root = torch.nn.Module()
         for name, value in self.attrs.items():
             setattr(root, name, value)
-        gm = fx.GraphModule(root, self.graph)
-        gm.graph.eliminate_dead_code()
-        gm.recompile()
-        return gm
+        self.graph.eliminate_dead_code()
+        return fx.GraphModule(root, self.graph)  # generates the code, once
 
     @staticmethod
     def _annotate(node: fx.Node, val, source: fx.Node) -> fx.Node:
@@ -821,6 +829,13 @@ class _ProgramBuilder:
         if val is not None:
             node.meta["val"] = _on_meta(val)
         return node
+
+
+def _layout(value) -> tuple:
+    """What a traced redistribution or end of a program reads of a local value: shape, strides, dtype."""
+    if isinstance(value, (tuple, list)):
+        return tuple(_layout(v) for v in value)
+    return tuple(value.shape), value.stride(), value.dtype
 
 
 def _example(meta: torch.Tensor, device: torch.device) -> torch.Tensor:
