@@ -6,6 +6,10 @@
 - ``OMP_NUM_THREADS=1``: tests spawn several worker processes on small machines; one thread each.
 - ``HOTSWITCH_CACHE_DIR``: a fresh directory per test session, so the suite starts with a cold
   compile cache (never the user's) and later modules reuse what earlier ones decided.
+- ``-n auto`` (pytest-xdist, the README's command) runs one worker per core this process may use, at
+  most 4, and the ``slow`` modules are collected first: the long multi-process modules start at once
+  and the short single-process tests fill the gaps at the end, instead of a long module running
+  alone on one core while the other idles. Each test module stays on one worker (``--dist loadfile``).
 - The repository root goes on ``sys.path`` so that ``import tests.distributed``, ``hotswitch`` etc.
   work without an install. Worker processes spawned by ``tests.distributed`` inherit both the
   environment and ``sys.path``.
@@ -27,3 +31,12 @@ if "HOTSWITCH_CACHE_DIR" not in os.environ:
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order within each
