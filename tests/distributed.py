@@ -1,7 +1,9 @@
-"""Multi-process test harness: one spawn of ``world_size`` gloo processes per test module.
+"""Multi-process test harness: one start of ``world_size`` gloo processes per test module.
 
-Spawning processes and importing torch costs seconds on a 2-core machine, so a test module
-spawns its processes once and runs many *checks* in them, all sharing one process group.
+Starting processes and importing torch costs seconds on a 2-core machine, so a test module
+starts its processes once and runs many *checks* in them, all sharing one process group. The
+processes are forked from a server (multiprocessing's forkserver) that imported torch, hotswitch
+and the Hugging Face models once for the whole test session: about 4 s of CPU saved per process.
 
 Writing a multi-process test module::
 
@@ -35,8 +37,11 @@ skipped)``, one entry per rank in the lists; ``raise_if_failed()`` raises Assert
 failing ranks' tracebacks, skips the test when the check called ``pytest.skip``, else returns ``values``.
 
 What a worker (rank r) does:
-    * environment: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT,
-      OMP_NUM_THREADS=1 and ``env`` are set before the interpreter starts, so before torch is imported;
+    * environment: the parent's, as it is when the run starts, with RANK, WORLD_SIZE, LOCAL_RANK,
+      LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT, OMP_NUM_THREADS=1 and ``env``, set before the
+      checks' module is imported. torch, hotswitch and transformers are already imported then (by
+      the server, under the environment of the session's first run): a variable read at import
+      time needs ``fresh_interpreter=True`` (a spawned interpreter, which imports everything again);
     * ``dist.init_process_group("gloo", ...)`` on a TCPStore that the parent hosts (port 0, no port race);
       MASTER_ADDR/MASTER_PORT name that store;
     * ``torch.set_num_threads(1)``; before every check ``torch.manual_seed(0)``, ``random.seed(0)``,
@@ -53,7 +58,7 @@ What the parent does:
     * collects per check and rank: status, return value (pickled in the worker; an unpicklable value
       fails the check), traceback, seconds;
     * ends the run, killing all workers, when a worker exits without reporting (error names the rank,
-      its exit code and the check it was in), when ``timeout`` seconds have passed since the spawn,
+      its exit code and the check it was in), when ``timeout`` seconds have passed since the start,
       or when one check ran longer than ``check_timeout``. Checks that did not complete are then
       failed with that reason, so a hang becomes a clear test failure, never a hung test session.
 
@@ -175,8 +180,9 @@ def run_checks(
     *,
     check_timeout: float | None = None,
     collective_timeout: float | None = None,
+    fresh_interpreter: bool = False,
 ) -> dict[str, CheckResult]:
-    """Run ``checks`` in order on ``world_size`` spawned gloo processes; see the module docstring.
+    """Run ``checks`` in order on ``world_size`` gloo processes; see the module docstring.
 
     Returns one CheckResult per check, keyed by the check's ``__name__``, in order. Does not raise
     for failing checks, crashes or timeouts: those become failed results. ``timeout`` defaults to
@@ -206,7 +212,7 @@ def run_checks(
     abort: str | None = None
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("spawn") if fresh_interpreter else _forkserver()
     procs: list[Any] = []
     conns: dict[Any, int] = {}  # parent's reading end of each rank's pipe -> rank
     t0 = time.monotonic()
@@ -245,7 +251,7 @@ def run_checks(
         if procs and rank < len(procs) and procs[rank].exitcode is not None and not done[rank]:
             return f"exited with code {procs[rank].exitcode}" + (f" in check {names[i]!r}" if state == "in" else "")
         if state == "starting":
-            return "starting up (spawn, imports, init_process_group)"
+            return "starting up (fork or spawn, imports, init_process_group)"
         if state == "in":
             return f"in check {names[i]!r} for {time.monotonic() - started_at[rank]:.1f} s"
         if done[rank]:
@@ -255,6 +261,7 @@ def run_checks(
     try:
         for rank in range(world_size):
             rank_env = {
+                **os.environ,
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world_size),
                 "LOCAL_RANK": str(rank),
@@ -271,7 +278,7 @@ def run_checks(
                 name=f"dist-check-rank{rank}",
                 daemon=False,  # checks may start processes of their own; we always reap these
             )
-            with patched_environ(rank_env):  # spawn copies os.environ: set before torch imports
+            with patched_environ(rank_env):  # spawn copies os.environ (a forked worker sets rank_env itself)
                 p.start()
             writer.close()  # the child holds its own copy; EOF on the reader = the child exited
             procs.append(p)
@@ -380,6 +387,22 @@ def _check_name(check: Callable[[], Any]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+# What the server imports once, so that no worker does: the compile stack and the Hugging Face models
+# the checks build (tests.compile_checks). Not the test modules: their asserts are rewritten on import.
+_PRELOAD = ["torch", "torch.distributed.tensor", "hotswitch.runtime.compiled_model", "hotswitch.train.trainer",
+            "tests.distributed", "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"]
+
+
+def _forkserver():
+    """multiprocessing's forkserver context, its server preloading `_PRELOAD` (it starts on first use,
+    once per test session; spawn where there is no forkserver)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _check_spec(check: Callable[[], Any]) -> tuple[str, str] | bytes:
     """(module, qualname) when the check can be found by name, else its pickle. Found by name in
     the worker, so that the worker imports the test module only after setting its environment."""
@@ -415,6 +438,7 @@ def _worker(
     timeout: float,
     collective_timeout: float,
 ) -> None:
+    os.environ.clear()  # a forked worker has the server's environment: the parent's replaces it
     os.environ.update(rank_env)
     try:
         torch.set_num_threads(1)
