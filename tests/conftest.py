@@ -19,6 +19,8 @@
 import os
 import sys
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported: OpenMP reads it when loaded
 if "TRITON_INTERPRET" not in os.environ:
     import torch
@@ -34,6 +36,7 @@ if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: without it installed, never called
 def pytest_xdist_auto_num_workers(config) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(4, cores))

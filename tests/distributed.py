@@ -94,7 +94,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hotswitch.distributed.launch import patched_environ
+from hotswitch.distributed.launch import adopt_environ, patched_environ, process_context
 
 __all__ = ["CheckResult", "run_checks", "dist_fixture", "dist_tests"]
 
@@ -212,7 +212,7 @@ def run_checks(
     abort: str | None = None
 
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn") if fresh_interpreter else _forkserver()
+    ctx = mp.get_context("spawn") if fresh_interpreter else process_context(_PRELOAD)
     procs: list[Any] = []
     conns: dict[Any, int] = {}  # parent's reading end of each rank's pipe -> rank
     t0 = time.monotonic()
@@ -387,20 +387,10 @@ def _check_name(check: Callable[[], Any]) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
-# What the server imports once, so that no worker does: the compile stack and the Hugging Face models
-# the checks build (tests.compile_checks). Not the test modules: their asserts are rewritten on import.
-_PRELOAD = ["torch", "torch.distributed.tensor", "hotswitch.runtime.compiled_model", "hotswitch.train.trainer",
-            "tests.distributed", "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"]
-
-
-def _forkserver():
-    """multiprocessing's forkserver context, its server preloading `_PRELOAD` (it starts on first use,
-    once per test session; spawn where there is no forkserver)."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+# What the server of `process_context` imports besides torch and hotswitch's runtime: what the checks
+# build (tests.compile_checks). Not the test modules: their asserts are rewritten when imported.
+_PRELOAD = ("hotswitch.train.trainer", "tests.distributed", "transformers.models.llama.modeling_llama",
+            "transformers.models.gpt2.modeling_gpt2")
 
 
 def _check_spec(check: Callable[[], Any]) -> tuple[str, str] | bytes:
@@ -438,8 +428,7 @@ def _worker(
     timeout: float,
     collective_timeout: float,
 ) -> None:
-    os.environ.clear()  # a forked worker has the server's environment: the parent's replaces it
-    os.environ.update(rank_env)
+    adopt_environ(rank_env)  # a forked worker has its server's environment
     try:
         torch.set_num_threads(1)
         with contextlib.suppress(RuntimeError):  # refused once inter-op work has started

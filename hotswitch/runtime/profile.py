@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from hotswitch.distributed.launch import adopt_environ, process_context
 from hotswitch.search.comm import CommProfile
 
 __all__ = ["RankProfile", "profile_rank"]
@@ -58,7 +59,7 @@ class RankProfile:
 def profile_rank(build_model: Callable[[], torch.nn.Module], example_inputs, config, *, rank: int = 0,
                  repeats: int = 5, device: str | None = None, dtype: torch.dtype = torch.float32,
                  backend: str = "eager") -> RankProfile:
-    """Profile rank `rank` of `config` (a DistConfig or its string) in a spawned process; see the module doc.
+    """Profile rank `rank` of `config` (a DistConfig or its string) in a process of its own; see the module doc.
 
     `build_model()` (picklable: a module-level function or a functools.partial) returns the model
     (forward -> scalar loss) with its weights; `example_inputs` is the *global* batch. `device`:
@@ -66,8 +67,6 @@ def profile_rank(build_model: Callable[[], torch.nn.Module], example_inputs, con
     the weights; `backend`: "eager" runs the ExecGraph as is, "inductor" compiles it with
     torch.compile first.
     """
-    import multiprocessing as mp
-
     from hotswitch.distconfig import DistConfig
 
     config = DistConfig.parse(config)
@@ -76,10 +75,11 @@ def profile_rank(build_model: Callable[[], torch.nn.Module], example_inputs, con
     if backend not in ("eager", "inductor"):
         raise ValueError(f"backend must be 'eager' or 'inductor', got {backend!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     reader, writer = ctx.Pipe(duplex=False)
     p = ctx.Process(target=_worker, args=(build_model, tuple(example_inputs), config, rank, repeats, device,
-                                          dtype, backend, writer), name=f"hotswitch-profile-rank{rank}")
+                                          dtype, backend, writer, dict(os.environ)),
+                    name=f"hotswitch-profile-rank{rank}")
     p.start()
     writer.close()
     try:
@@ -93,14 +93,16 @@ def profile_rank(build_model: Callable[[], torch.nn.Module], example_inputs, con
     return RankProfile(**payload)
 
 
-def _worker(build_model, example_inputs, config, rank, repeats, device, dtype, backend, results) -> None:
+def _worker(build_model, example_inputs, config, rank, repeats, device, dtype, backend, results, environ) -> None:
     import traceback
     import warnings
+
+    adopt_environ(environ)
 
     try:
         warnings.filterwarnings("ignore")
         if device == "cpu":
-            torch.set_num_threads(1)  # as a rank spawned by hs.launch computes (one thread per process)
+            torch.set_num_threads(1)  # as a rank started by hs.launch computes (one thread per process)
         if device.startswith("cuda"):
             where = torch.device(device)
             device = f"cuda:{where.index or 0}"  # set_device needs an index; "cuda" means the first GPU
