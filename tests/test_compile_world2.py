@@ -96,12 +96,14 @@ def check_a_warm_cache_replays_decisions():
     import tempfile
 
     from hotswitch.compiler.lower import collectives
+    from hotswitch.runtime import shared
 
     os.environ["HOTSWITCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="warm-")  # cold for this check
     model, inputs = make_model("gpt"), batch()
     config = hs.DistConfig("tp2sp", tp=2, sp=True)
     out = []
     for _ in range(2):
+        shared._LOADED.clear()  # as in another process: no LogicGraph in memory, only on disk
         cm = hs.compile(model, inputs, [config])
         gm = cm.exec_graph("tp2sp")
         program = next(iter(cm._state("tp2sp").programs.values()))

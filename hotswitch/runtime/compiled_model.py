@@ -92,7 +92,7 @@ class CompiledModel:
         # later processes (HOTSWITCH_CACHE=0: off)
         self._cache = SharedCache(default_cache(), JobOnce())
         # `logic`: this model's LogicGraph from an earlier compile (elastic changes re-compile, not re-trace)
-        self.logic_source = "given"  # or "traced" (by this rank), "loaded" (the cache or another rank traced it)
+        self.logic_source = "given"  # or "traced" (by this rank), "loaded" (this process, the cache or a rank had it)
         if logic is None:
             report("tracing the model (torch.export, core ATen, joint forward + backward graph)")
             logic, self.logic_source = trace_once(model, example_inputs, self._cache)

@@ -74,10 +74,12 @@ def trace_once(model: torch.nn.Module, example_inputs, cache: SharedCache) -> tu
     from the loaded bytes, so node names and cache keys are the same everywhere."""
     fingerprint = model_fingerprint(model, example_inputs)
     key, persistent = "logic-" + fingerprint.digest, fingerprint.persistent
+    if key in _LOADED:  # this process compiled the same model before: a LogicGraph is never edited
+        return _LOADED[key], "loaded"
     payload = cache.get(key, "logic", persistent=persistent)
     if payload is not None:
         try:
-            return loads_logic(payload), "loaded"
+            return _remember(key, loads_logic(payload)), "loaded"
         except Exception as e:  # noqa: BLE001 - an entry another torch build wrote, say: trace again
             cache.report(f"a cached LogicGraph did not load ({type(e).__name__}: {e}); the model is traced again")
     try:
@@ -91,7 +93,19 @@ def trace_once(model: torch.nn.Module, example_inputs, cache: SharedCache) -> tu
         cache.failed(key)
         return logic, "traced"
     cache.put(key, payload, "logic", persistent=persistent)
-    return loads_logic(payload), "traced"
+    return _remember(key, loads_logic(payload)), "traced"
+
+
+# fingerprint -> LogicGraph already loaded in this process (a few: each holds a model's graphs).
+# Compiling the same model again (another CompiledModel, an elastic generation) skips decoding it.
+_LOADED: dict[str, LogicGraph] = {}
+
+
+def _remember(key: str, logic: LogicGraph) -> LogicGraph:
+    if len(_LOADED) >= 8:
+        _LOADED.pop(next(iter(_LOADED)))
+    _LOADED[key] = logic
+    return logic
 
 
 class SharedCache:
