@@ -10,7 +10,8 @@
   most 4, each test module on one worker (``--dist loadfile``): single-process tests (one thread
   each) run side by side, and fill the cores a multi-process module leaves idle while one of its
   ranks traces a model or starts up. (Collecting the multi-process modules first, so that they
-  overlapped each other, cost 12% more CPU and 70 s more on 2 cores.)
+  overlapped each other, cost 12% more CPU and 70 s more on 2 cores: ``HOTSWITCH_TEST_RUN_LOCK``
+  names a lock file, so that one multi-process module runs at a time.)
 - The repository root goes on ``sys.path`` so that ``import tests.distributed``, ``hotswitch`` etc.
   work without an install. Worker processes spawned by ``tests.distributed`` inherit both the
   environment and ``sys.path``.
@@ -30,6 +31,8 @@ if "HOTSWITCH_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["HOTSWITCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="hotswitch-test-cache-")
+if "HOTSWITCH_TEST_RUN_LOCK" not in os.environ:  # one multi-process run at a time (tests/distributed.py)
+    os.environ["HOTSWITCH_TEST_RUN_LOCK"] = os.path.join(os.environ["HOTSWITCH_CACHE_DIR"], "multi-process-run.lock")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
