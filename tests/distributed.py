@@ -191,8 +191,7 @@ def run_checks(
     an abort names the check each rank was in.
     """
     with _one_run_at_a_time():
-        return _run_checks(world_size, checks, timeout, env, check_timeout=check_timeout,
-                           collective_timeout=collective_timeout, fresh_interpreter=fresh_interpreter)
+        return _run_checks(world_size, checks, timeout, env, check_timeout, collective_timeout, fresh_interpreter)
 
 
 @contextlib.contextmanager
@@ -213,16 +212,7 @@ def _one_run_at_a_time():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _run_checks(
-    world_size: int,
-    checks: Sequence[Callable[[], Any]],
-    timeout: float | None = None,
-    env: dict[str, str] | None = None,
-    *,
-    check_timeout: float | None = None,
-    collective_timeout: float | None = None,
-    fresh_interpreter: bool = False,
-) -> dict[str, CheckResult]:
+def _run_checks(world_size, checks, timeout, env, check_timeout, collective_timeout, fresh_interpreter):
     """`run_checks`, with the run lock held."""
     if timeout is None:
         timeout = scaled(DEFAULT_TIMEOUT_S)
