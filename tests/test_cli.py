@@ -172,6 +172,21 @@ def test_launch_reraises_a_ranks_traceback():
     assert "rank 1 failed" in str(info.value) and "ValueError: boom sum=3.0 world=2 omp=1" in str(info.value)
 
 
+def _environ(rank, name):
+    return os.environ.get(name), os.environ["RANK"], os.environ["WORLD_SIZE"]
+
+
+def test_launched_ranks_see_the_environment_of_their_launch(monkeypatch):
+    """Ranks fork from a server that the first launch started (process_context): a later launch's
+    ranks see the launcher's environment as it is then, not as it was when the server started."""
+    monkeypatch.setenv("HOTSWITCH_TEST_VALUE", "before")
+    assert launch(_environ, 2, "HOTSWITCH_TEST_VALUE", timeout=scaled(300)) == ("before", "0", "2")
+    monkeypatch.setenv("HOTSWITCH_TEST_VALUE", "after")
+    assert launch(_environ, 2, "HOTSWITCH_TEST_VALUE", timeout=scaled(300)) == ("after", "0", "2")
+    monkeypatch.delenv("HOTSWITCH_TEST_VALUE")
+    assert launch(_environ, 2, "HOTSWITCH_TEST_VALUE", timeout=scaled(300)) == (None, "0", "2")
+
+
 def _prints_lines(rank: int, count: int) -> None:
     import torch.distributed as dist
 
