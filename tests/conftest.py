@@ -9,9 +9,9 @@
 - ``-n auto`` (pytest-xdist, the README's command) runs one worker per core this process may use, at
   most 4, each test module on one worker (``--dist loadfile``): single-process tests (one thread
   each) run side by side, and fill the cores a multi-process module leaves idle while one of its
-  ranks traces a model or starts up. (Collecting the multi-process modules first, so that they
-  overlapped each other, cost 12% more CPU and 70 s more on 2 cores: ``HOTSWITCH_TEST_RUN_LOCK``
-  names a lock file, so that one multi-process module runs at a time.)
+  ranks traces a model or starts up.
+- ``HOTSWITCH_TEST_RUN_LOCK``: a lock file, so that one multi-process module runs at a time (two at
+  once on 2 cores cost 12% more CPU, measured).
 - The repository root goes on ``sys.path`` so that ``import tests.distributed``, ``hotswitch`` etc.
   work without an install. Worker processes spawned by ``tests.distributed`` inherit both the
   environment and ``sys.path``.

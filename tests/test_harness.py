@@ -73,7 +73,8 @@ def check_unpicklable():
 
 
 def check_skips():
-    pytest.skip("needs a GPU")
+    """Always skips: what the harness is checked on here is that a check's skip reaches its test."""
+    pytest.skip("a check that skips on purpose")
 
 
 # ----------------------------------------------------------------------- world size 4, fixture
@@ -164,8 +165,9 @@ def test_unpicklable_value_fails_the_check(results):
 
 def test_skip_in_a_check_skips_the_test(results):
     r = results["check_skips"]
-    assert r.ok and r.skipped == "needs a GPU" and r.status == ["skip"] * 4 and r.errors == [None] * 4
-    with pytest.raises(pytest.skip.Exception, match="needs a GPU"):
+    assert r.ok and r.skipped == "a check that skips on purpose" and r.status == ["skip"] * 4
+    assert r.errors == [None] * 4
+    with pytest.raises(pytest.skip.Exception, match="a check that skips on purpose"):
         r.raise_if_failed()
 
 
