@@ -149,6 +149,18 @@ def check_llama_with_automatic_buckets_matches_single_device():
     return _steps_against(trainer, batches, ref)
 
 
+def check_buckets_all_under_dp_never_switch():
+    """Every bucket under dp4 and no base named: the first step moves the optimizer into dp4 (it is
+    the cheapest cycle: none at all), so no step switches, and the steps still equal single-device AdamW."""
+    model = _model("gpt")
+    batches = _batches()
+    ref = _reference_steps(model, batches)
+    trainer = Trainer(model, ["name=dp4,dp=4", "name=tp4sp,tp=4,sp"], dict(name="adamw", lr=LR), buckets=[64, 128],
+                      bucket_configs=["dp4", "dp4"], micro_batch_tokens=128)
+    before = trainer.base
+    return dict(before=before, steps=_steps_against(trainer, batches, ref))
+
+
 def check_different_batches_are_refused():
     """A rank given another global batch: every rank raises, naming it, before any collective."""
     import torch.distributed as dist
@@ -170,7 +182,8 @@ def check_bf16_compute_keeps_fp32_masters():
     batches = _batches()
     ref = _reference_steps(model, batches)
     trainer = Trainer(model, ["name=dp4,dp=4", "name=tp4sp,tp=4,sp"], dict(name="adamw", lr=LR), buckets=[64, 128],
-                      bucket_configs=["dp4", "tp4sp"], micro_batch_tokens=128, compute_dtype=torch.bfloat16)
+                      bucket_configs=["dp4", "tp4sp"], micro_batch_tokens=128, compute_dtype=torch.bfloat16,
+                      base="tp4sp")  # the bf16 weights move between the fp32 masters' config and dp4
     out = []
     for (ref_loss, _, ref_weights), seqs in zip(ref, batches):
         report = trainer.step(seqs)
@@ -191,6 +204,7 @@ results = dist_fixture(
         check_budget_keeps_long_rows_off_pure_dp,
         check_llama_with_automatic_buckets_matches_single_device,
         check_different_batches_are_refused,
+        check_buckets_all_under_dp_never_switch,
         check_bf16_compute_keeps_fp32_masters,
     ],
     env={"HOTSWITCH_PACK_BACKEND": "torch"},
@@ -205,9 +219,13 @@ def _assert_equivalent(steps, worst_tensor, configs=BUCKET_CONFIGS):
         assert s["worst_tensor"] <= worst_tensor, (i, s["worst_tensor"])
         report = s["report"]
         assert sum(b.sequences for b in report.buckets) == s["sequences"]  # nothing dropped
-        assert {b.config for b in report.buckets} <= set(configs)
+        used = {b.config for b in report.buckets}
+        assert used <= set(configs)
+        if used == {report.base}:  # the optimizer lives where every bucket runs: nothing to switch
+            assert not report.switches, report.switches
+            continue
         assert report.switches and report.switches[-1].with_grads and not report.switches[0].with_grads
-        assert report.switches[0].source == report.switches[-1].destination  # a cycle from the base
+        assert report.switches[0].source == report.switches[-1].destination == report.base  # a cycle from the base
 
 
 def test_gpt_with_zero1_equals_single_device_adamw(results):
@@ -222,7 +240,7 @@ def test_hf_llama_equals_single_device_adamw(results):
     # but AdamW divides each gradient by its own magnitude, and this embedding has elements of
     # |g| ~ eps = 1e-8 whose last bits differ with the reduction order (pure dp4 shows the same).
     _assert_equivalent(steps, worst_tensor=3e-5)
-    assert steps[0]["report"].switches[0].source == "tp4sp"  # default base: the most model-parallel
+    assert len({s["report"].base for s in steps}) == 1  # chosen on the first step, kept after
 
 
 def test_memory_budget_moves_long_rows_to_tensor_parallel(results):
@@ -252,6 +270,15 @@ def test_hf_llama_with_automatic_buckets_equals_single_device_adamw(results):
     _assert_equivalent(steps, worst_tensor=3e-5, configs={"dp4", "dp2tp2"})  # per tensor: see the test above
     assert max(b.lengths[1] for s in steps for b in s["report"].buckets) > 128
     assert any(b.micro_batches > 1 for s in steps for b in s["report"].buckets)  # several per bucket
+
+
+def test_buckets_all_under_dp_step_without_switching(results):
+    """Issue 16: with no budget and every bucket under dp4, a step performs zero switches."""
+    out = results["check_buckets_all_under_dp_never_switch"].raise_if_failed()[0]
+    assert out["before"] == "tp4sp"  # until the first step: the most model-parallel config
+    _assert_equivalent(out["steps"], worst_tensor=1e-5, configs={"dp4"})
+    for s in out["steps"]:
+        assert s["report"].base == "dp4" and s["report"].switches == ()
 
 
 def test_different_batches_on_ranks_are_named(results):

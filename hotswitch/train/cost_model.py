@@ -12,6 +12,12 @@ peak stays within the per-rank budget; configs that do not fit are never run.
 for the least (sum of bucket times + the estimated switching cycle through the configs used), so a
 bucket that is barely faster elsewhere does not buy an extra switch; beyond that it takes each
 bucket's fastest fitting config (HotSPa's rule).
+
+`choose` also picks the base, the config that holds the fp32 masters and AdamW's moments and where
+the step ends for the optimizer: every candidate base (with ZeRO-1 on or off) prices its own
+assignment, with the optimizer's bytes added to that config's resident state, and the cheapest
+wins. When every bucket prefers one config and it can hold the optimizer, that config is the base
+and a step does not switch at all.
 """
 from __future__ import annotations
 
@@ -33,8 +39,13 @@ class Probe:
     state_bytes: int  # of which resident state (weights, gradient accumulators, optimizer)
     collectives_free: bool = False  # timed in a fake process group (`runtime.profile`): compute only
 
-    def fits(self, budget: int | None) -> bool:
-        return budget is None or self.peak_bytes <= budget
+    def peak_with(self, state_bytes: int | None) -> int:
+        """The peak with `state_bytes` of resident state instead of the state it was measured with
+        (another base holds the optimizer); None: as measured."""
+        return self.peak_bytes if state_bytes is None else self.peak_bytes - self.state_bytes + state_bytes
+
+    def fits(self, budget: int | None, state_bytes: int | None = None) -> bool:
+        return budget is None or self.peak_with(state_bytes) <= budget
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,14 @@ class BucketDemand:
     rows: int  # packed rows it needs
 
 
+@dataclass(frozen=True)
+class Base:
+    """Where the optimizer lives: a config, with its moments split over its dp ranks or not (ZeRO-1)."""
+
+    config: str
+    zero1: bool = False
+
+
 class CostModel:
     def __init__(self, memory_budget_bytes: int | None = None):
         self.memory_budget_bytes = memory_budget_bytes
@@ -69,32 +88,70 @@ class CostModel:
     def micro_batches(self, config: str, demand: BucketDemand) -> int:
         return math.ceil(demand.rows / self.probes[(config, demand.length)].rows)
 
-    def seconds(self, config: str, demand: BucketDemand) -> float:
-        """Estimated seconds for the bucket under `config` (inf if it does not fit)."""
+    def seconds(self, config: str, demand: BucketDemand, state_bytes: int | None = None) -> float:
+        """Estimated seconds for the bucket under `config` (inf if it does not fit); `state_bytes`:
+        the config's resident state if not the one it was profiled with (see `Probe.peak_with`)."""
         probe = self.probes[(config, demand.length)]
-        if not probe.fits(self.memory_budget_bytes) or probe.seconds is None:
+        if not probe.fits(self.memory_budget_bytes, state_bytes) or probe.seconds is None:
             return math.inf
         return self.micro_batches(config, demand) * probe.seconds
 
+    def choose(self, demands: Sequence[BucketDemand], configs: Sequence[str], bases: Sequence[Base],
+               cycle_seconds: Callable[[frozenset[str], str], float], state_bytes: Callable[[str, Base], int],
+               fixed: Sequence[str] | None = None, max_search: int = 4096) -> tuple[list[str], Base]:
+        """(one config per bucket, the base): the least bucket time + switching cycle within the
+        budget over every base in `bases` (first wins ties). `cycle_seconds(used, base)`: the step's
+        cycle from `base` through `used`; `state_bytes(config, base)`: a config's resident bytes per
+        rank when `base` holds the optimizer; `fixed`: the assignment, when it is given (only the
+        base is chosen)."""
+        best, best_cost, error = None, math.inf, None
+        for base in bases:
+            states = {c: state_bytes(c, base) for c in configs}
+            try:
+                chosen = list(fixed) if fixed is not None else self.assign(
+                    demands, configs, lambda used: cycle_seconds(used, base.config), max_search, states)
+            except NoConfigFits as e:
+                error = error or e
+                continue
+            if self.memory_budget_bytes is not None and states[base.config] > self.memory_budget_bytes:
+                error = error or NoConfigFits(
+                    f"{base.config} cannot hold the optimizer within the memory budget of "
+                    f"{_gib(self.memory_budget_bytes)} per rank (its resident state alone: "
+                    f"{_gib(states[base.config])}): raise memory_budget_bytes, or shard the optimizer (zero1=True, "
+                    "or a base with more tensor parallelism)")
+                continue
+            buckets = sum(self.seconds(c, d, states[c]) for c, d in zip(chosen, demands)) if fixed is None else 0.0
+            cost = buckets + cycle_seconds(frozenset(chosen), base.config)
+            if cost < best_cost - 1e-12:
+                best, best_cost = (chosen, base), cost
+        if best is None:
+            raise error if error is not None else NoConfigFits("no base config fits the memory budget")
+        return best
+
     def assign(self, demands: Sequence[BucketDemand], configs: Sequence[str],
-               cycle_seconds: Callable[[frozenset[str]], float] | None = None, max_search: int = 4096) -> list[str]:
-        """One config per bucket: the least total time (buckets + switching cycle) within the budget."""
+               cycle_seconds: Callable[[frozenset[str]], float] | None = None, max_search: int = 4096,
+               state_bytes: dict[str, int] | None = None) -> list[str]:
+        """One config per bucket: the least total time (buckets + switching cycle) within the budget;
+        `state_bytes`: each config's resident state, where it differs from the profiled one."""
+        states = state_bytes or {}
         options = []
         for demand in demands:
-            fitting = [c for c in configs if math.isfinite(self.seconds(c, demand))]
+            fitting = [c for c in configs if math.isfinite(self.seconds(c, demand, states.get(c)))]
             if not fitting:
-                needs = ", ".join(f"{c}: {_gib(self.probes[(c, demand.length)].peak_bytes)}" for c in configs)
+                needs = ", ".join(f"{c}: {_gib(self.probes[(c, demand.length)].peak_with(states.get(c)))}"
+                                  for c in configs)
                 raise NoConfigFits(
                     f"no config fits rows of {demand.length} tokens within the memory budget of "
                     f"{_gib(self.memory_budget_bytes)} per rank (estimated peak per rank: {needs}); raise "
                     "memory_budget_bytes, add a config with more tensor/sequence parallelism, or lower "
                     "micro_batch_tokens")
-            options.append(sorted(fitting, key=lambda c: self.seconds(c, demand)))
+            options.append(sorted(fitting, key=lambda c: self.seconds(c, demand, states.get(c))))
         if cycle_seconds is None or math.prod(len(o) for o in options) > max_search:
             return [o[0] for o in options]
         best, best_cost = None, math.inf
         for choice in itertools.product(*options):
-            cost = sum(self.seconds(c, d) for c, d in zip(choice, demands)) + cycle_seconds(frozenset(choice))
+            buckets = sum(self.seconds(c, d, states.get(c)) for c, d in zip(choice, demands))
+            cost = buckets + cycle_seconds(frozenset(choice))
             if cost < best_cost - 1e-12:
                 best, best_cost = list(choice), cost
         return best

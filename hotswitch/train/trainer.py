@@ -39,7 +39,7 @@ from hotswitch.search.comm import CommProfile, compiled_comm_profile
 from hotswitch.search.space import default_base
 from hotswitch.switch.state import JOB_STATE, StateKind, state_key
 from hotswitch.train import data as D
-from hotswitch.train.cost_model import BucketDemand, CostModel, Probe, SwitchProbe
+from hotswitch.train.cost_model import Base, BucketDemand, CostModel, Probe, SwitchProbe
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class StepReport:
     optimizer_seconds: float
     profile_seconds: float = 0.0
     compile_seconds: float = 0.0
+    base: str = ""  # the config holding the masters and the optimizer, where the step ends
 
     @property
     def switch_seconds(self) -> float:
@@ -127,12 +128,14 @@ class Trainer:
     "auto": measure a few configs and let `hotswitch.search` choose the set (`self.search` says why).
     `memory_budget_bytes`: per-rank cap on the estimated peak (None: no cap).
 
-    Options: `base` (config holding masters and optimizer; default the most model-parallel),
+    Options: `base` (config holding masters and optimizer; default: chosen with the first step's
+    assignment, the config whose cycle costs least with the optimizer's memory counted, so a step
+    whose buckets all run under one config does not switch),
     `buckets` (length bounds; default from the first batch's length distribution, `num_buckets`
     of them, default max(3, number of configs)), `bucket_configs` (one config name per bucket, skipping the cost model),
     `micro_batch_tokens` (tokens per data-parallel replica per micro-batch), `compute_dtype`
     (default bfloat16 on GPU, float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks;
-    default off, or the search's choice under "auto"),
+    default: off, unless a chosen base needs it to fit the budget, or the search's choice under "auto"),
     `progress(message)` for long phases, `strict` (default False: an op DTensor cannot shard at
     some micro-batch shape, e.g. GQA's head regrouping with one row under tp > kv heads, runs
     replicated with a warning instead of failing; results stay exact), `logic` (the LogicGraph of an
@@ -169,15 +172,20 @@ class Trainer:
             logic = meters[0].cm.logic if meters else logic
             del meters
             zero1 = self.search.zero1 if zero1 is None else zero1
+            base = base or self.search.base  # the search priced its cycles and memory from that base
         self.configs = tuple(parse_configs(configs))  # DistConfigs or strings, "dp2tp2sp" or "dp=2,tp=2,sp"
         names = [c.name for c in self.configs]
         piped = [c.name for c in self.configs if c.pp > 1]
         if piped:
             raise ValueError(f"configs {piped} have pp > 1: the Trainer runs pp = 1 configs (DP, TP, SP); pipeline "
                              "configs train through CompiledModel.forward_backward(..., micro_batches=k)")
+        if base is not None and base not in names:
+            raise ValueError(f"base config {base!r} is not among the configs {names}")
+        # until the first step chooses one (`_choose`): the most model-parallel config, which needs
+        # the least memory for the optimizer
         self.base = base or default_base(self.configs).name
-        if self.base not in names:
-            raise ValueError(f"base config {self.base!r} is not among the configs {names}")
+        self._base_fixed = base is not None
+        self._zero1_given = zero1 is not None
         self.adamw = AdamWConfig.from_dict(optimizer)
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
@@ -244,9 +252,9 @@ class Trainer:
             t0 = time.perf_counter()
             self.profile(sorted({d.length for d in demands}))
             profile_seconds = time.perf_counter() - t0
-            chosen = self.cost.assign(demands, [c.name for c in self.configs], self._cycle_seconds)
+            chosen = self._choose(demands)
         else:
-            chosen = [self.bucket_configs[self._boundaries.index(b.high)] for b in buckets]
+            chosen = self._choose(demands, [self.bucket_configs[self._boundaries.index(b.high)] for b in buckets])
         total_targets = D.target_tokens(lengths)
         if total_targets == 0:
             raise ValueError("the global batch has no next-token targets (every sequence has one token)")
@@ -321,6 +329,7 @@ class Trainer:
             ),
             profile_seconds=profile_seconds,
             compile_seconds=compile_seconds,
+            base=self.base,
         )
 
     def _check_same_batch(self, sequences: list[torch.Tensor]) -> None:
@@ -505,10 +514,11 @@ class Trainer:
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
         return Probe(config.name, length, rows, float(seconds.item()), peak, state)
 
-    def state_bytes(self, name: str) -> int:
+    def state_bytes(self, name: str, base: Base | None = None) -> int:
         """Resident bytes per rank under config `name` (the largest over ranks): compute weights and
-        fp32 gradient accumulators; in the base also fp32 masters (unless they are the weights) and
-        AdamW's two moments (divided over dp ranks with ZeRO-1)."""
+        fp32 gradient accumulators; in the base (`base`, default this Trainer's) also fp32 masters
+        (unless they are the weights) and AdamW's two moments (divided over dp ranks with ZeRO-1)."""
+        base = base or Base(self.base, self.zero1)
         config = self.config(name)
         itemsize = self.compute_dtype.itemsize
         per_device = [0] * dist.get_world_size()
@@ -516,9 +526,10 @@ class Trainer:
             for d in range(len(per_device)):
                 n = layout.numel(d)
                 extra = 0
-                if name == self.base:
-                    optimizer = 2 * 4 + (4 if self.compute_dtype != torch.float32 or self.zero1 else 0)
-                    extra = optimizer / (config.dp if self.zero1 else 1)
+                if name == base.config:
+                    zero1 = base.zero1 and config.dp > 1
+                    optimizer = 2 * 4 + (4 if self.compute_dtype != torch.float32 or zero1 else 0)
+                    extra = optimizer / (config.dp if zero1 else 1)
                 per_device[d] += int(n * (itemsize + 4 + extra))
         return max(per_device)
 
@@ -533,9 +544,44 @@ class Trainer:
     def _compile_seconds(self) -> float:
         return sum(self.cm.compile_seconds(c.name) for c in self.configs)
 
-    def _cycle_seconds(self, used: frozenset[str]) -> float:
-        names = sorted(used | {self.base}, key=[c.name for c in self.configs].index)
-        return self.cm.plan_order(names, base=self.base).cost
+    def _cycle_seconds(self, used: frozenset[str], base: str | None = None) -> float:
+        base = base or self.base
+        names = sorted(used | {base}, key=[c.name for c in self.configs].index)
+        return self.cm.plan_order(names, base=base).cost
+
+    def _choose(self, demands: list[BucketDemand], fixed: list[str] | None = None) -> list[str]:
+        """The config of each bucket (`fixed`: given), and on the first step the base: the
+        optimizer moves to the config (and ZeRO-1 setting) whose step costs least within the budget,
+        the current base first on ties (see `CostModel.choose`). Later steps keep their base."""
+        names = [c.name for c in self.configs]
+        current = Base(self.base, self.zero1)
+        if self._base_fixed:
+            bases = [current]
+        else:
+            bases = [current] + [Base(n, z) for n in names for z in self._zero1_options(n) if Base(n, z) != current]
+        chosen, base = self.cost.choose(demands, names, bases, self._cycle_seconds, self.state_bytes, fixed=fixed)
+        if not self._base_fixed:
+            self._base_fixed = True
+            if base != current:
+                self._report(f"base: {base.config}{' with ZeRO-1' if base.zero1 else ''} holds the optimizer "
+                             f"(the step's cheapest cycle within the budget; was {self.base})")
+                self._rebase(base)
+        return chosen
+
+    def _zero1_options(self, name: str) -> tuple[bool, ...]:
+        if self._zero1_given or self.config(name).dp == 1:
+            return (self.zero1 and self.config(name).dp > 1,)
+        return (False, True)  # ZeRO-1 only where the whole optimizer state would not fit: False first
+
+    def _rebase(self, base: Base) -> None:
+        """Move the fp32 masters and AdamW to `base`: full masters gathered, then sharded anew.
+        Only before the first optimizer step (the moments are still empty)."""
+        if self.optimizer.state:
+            raise RuntimeError("the base moves only before the first optimizer step")
+        full = self.cm.full_state_dict(canonical=True, params=self._master_shards())
+        self.base, self.zero1 = base.config, base.zero1
+        self.cm.switch(self.base)
+        self._init_optimizer(full)
 
     def choose_buckets(self, lengths: Sequence[int]) -> tuple[int, ...]:
         """Fix the bucket bounds from a sample of sequence lengths (e.g. the whole dataset's) instead
