@@ -11,7 +11,11 @@ other on small cases (same transfers, same bytes, same estimates and bounds):
   owns the slice copies it locally (all algorithms).
 - greedy: owners on the receiver's node if any (intra-node link), else all owners (inter-node link);
   items with one candidate are committed first, then the others in item order, each to the
-  candidate with the least load on that link so far (ties: lowest id).
+  candidate with the least load on that link so far (ties: lowest id). Relay first: a (tensor,
+  slice) that no device of a node owns and several of its receivers need goes to one of them (the
+  least inter-node receive load so far, ties lowest id; slices needed by one receiver of the node
+  counted first, then shared ones in the order of their first item), who forwards it to the others
+  in a second stage; only that receiver's item chooses a sender.
 - fcfs: the lowest-id owner. round_robin: the k-th receiver lacking a (tensor, slice), by id, takes
   the slice's owners in turn (owner k mod n). gather: every receiver gets every source box it does
   not own, whole, from the box's lowest-id owner.
@@ -38,6 +42,7 @@ class ReferencePlan:
     algorithm: str
     transfers: list[Transfer]
     local_copies: list[Transfer]
+    relays: list[Transfer]
     bytes_moved: int
     inter_node_bytes: int
     intra_node_bytes: int
@@ -46,6 +51,7 @@ class ReferencePlan:
     recv_bytes_intra: list[int]
     recv_bytes_inter: list[int]
     lower_bound_bytes: int
+    inter_node_lower_bound_bytes: int
     lower_bound_seconds: float
     estimated_seconds: float
 
@@ -111,32 +117,41 @@ def plan_switch(moves: Sequence[TensorMove], topology: Topology, algorithm: str 
                     if r not in devs:
                         gather.append(Transfer(m.name, devs[0], r, box, _volume(box) * m.itemsize))
 
+    relays: list[Transfer] = []
     if algorithm == "gather":
         transfers = gather
     else:
-        senders = _choose(items, algorithm, node, topology.num_devices)
-        transfers = [Transfer(moves[it.tensor].name, s, it.recv, it.box, it.nbytes) for it, s in zip(items, senders)]
+        forwarded = _relays(items, node, topology.num_devices) if algorithm == "greedy" else {}
+        direct = [it for i, it in enumerate(items) if i not in forwarded]
+        senders = _choose(direct, algorithm, node, topology.num_devices)
+        transfers = [Transfer(moves[it.tensor].name, s, it.recv, it.box, it.nbytes) for it, s in zip(direct, senders)]
+        relays = [Transfer(moves[items[i].tensor].name, r, items[i].recv, items[i].box, items[i].nbytes)
+                  for i, r in sorted(forwarded.items())]
 
     n = topology.num_devices
-    send_intra, send_inter, recv_intra, recv_inter = [0] * n, [0] * n, [0] * n, [0] * n
-    for tr in transfers:
-        assert tr.src_device != tr.dst_device
-        if node(tr.src_device) == node(tr.dst_device):
-            send_intra[tr.src_device] += tr.nbytes
-            recv_intra[tr.dst_device] += tr.nbytes
-        else:
-            send_inter[tr.src_device] += tr.nbytes
-            recv_inter[tr.dst_device] += tr.nbytes
     bi, be = topology.intra_node_bandwidth, topology.inter_node_bandwidth
-    estimated = max(
-        [max(send_intra[d] / bi, send_inter[d] / be, recv_intra[d] / bi, recv_inter[d] / be) for d in range(n)],
-        default=0.0,
-    )
+    send_intra, send_inter, recv_intra, recv_inter = [0] * n, [0] * n, [0] * n, [0] * n
+    estimated = 0.0
+    for stage in (transfers, relays):
+        loads = [[0] * n for _ in range(4)]  # send intra, send inter, receive intra, receive inter
+        for tr in stage:
+            assert tr.src_device != tr.dst_device
+            near = node(tr.src_device) == node(tr.dst_device)
+            loads[0 if near else 1][tr.src_device] += tr.nbytes
+            loads[2 if near else 3][tr.dst_device] += tr.nbytes
+        for total, part in zip((send_intra, send_inter, recv_intra, recv_inter), loads):
+            for d in range(n):
+                total[d] += part[d]
+        estimated += max([max(loads[0][d] / bi, loads[1][d] / be, loads[2][d] / bi, loads[3][d] / be)
+                          for d in range(n)], default=0.0)
+    inter_once = {(it.tensor, it.box, node(it.recv)): it.nbytes for it in items
+                  if not any(node(d) == node(it.recv) for d in it.owners)}
     return ReferencePlan(
         algorithm=algorithm,
         transfers=transfers,
         local_copies=local_copies,
-        bytes_moved=sum(tr.nbytes for tr in transfers),
+        relays=relays,
+        bytes_moved=sum(tr.nbytes for tr in transfers + relays),
         inter_node_bytes=sum(send_inter),
         intra_node_bytes=sum(send_intra),
         send_bytes_intra=send_intra,
@@ -144,7 +159,8 @@ def plan_switch(moves: Sequence[TensorMove], topology: Topology, algorithm: str 
         recv_bytes_intra=recv_intra,
         recv_bytes_inter=recv_inter,
         lower_bound_bytes=lower_bound_bytes,
-        lower_bound_seconds=_lower_bound_seconds(items, node, bi, be),
+        inter_node_lower_bound_bytes=sum(inter_once.values()),
+        lower_bound_seconds=_lower_bound_seconds(items, node, bi, be, topology.devices_per_node),
         estimated_seconds=estimated,
     )
 
@@ -153,6 +169,24 @@ def _candidates(it: _Item, node) -> tuple[tuple[int, ...], int]:
     """The owners to choose from and the link class (0 intra-node, 1 inter-node)."""
     near = tuple(d for d in it.owners if node(d) == node(it.recv))
     return (near, 0) if near else (it.owners, 1)
+
+
+def _relays(items: list[_Item], node, num_devices: int) -> dict[int, int]:
+    """Item index -> the receiver on its node that forwards it to it (greedy's relay)."""
+    groups: dict[tuple, list[int]] = {}  # (tensor, slice, node) -> items, in item order
+    for i, it in enumerate(items):
+        if not any(node(d) == node(it.recv) for d in it.owners):
+            groups.setdefault((it.tensor, it.box, node(it.recv)), []).append(i)
+    load = [0] * num_devices  # inter-node bytes received so far
+    for members in groups.values():
+        if len(members) == 1:
+            load[items[members[0]].recv] += items[members[0]].nbytes
+    out = {}
+    for members in sorted((m for m in groups.values() if len(m) > 1), key=lambda m: m[0]):
+        best = min(members, key=lambda i: (load[items[i].recv], items[i].recv))
+        load[items[best].recv] += items[best].nbytes
+        out.update({i: items[best].recv for i in members if i != best})
+    return out
 
 
 def _choose(items: list[_Item], algorithm: str, node, num_devices: int) -> list[int]:
@@ -184,22 +218,28 @@ def _choose(items: list[_Item], algorithm: str, node, num_devices: int) -> list[
     return out
 
 
-def _lower_bound_seconds(items: list[_Item], node, bi: float, be: float) -> float:
-    """The planner's per-receiver and per-owner-set bounds, summed with dicts."""
+def _lower_bound_seconds(items: list[_Item], node, bi: float, be: float, devices_per_node: int) -> float:
+    """The planner's per-receiver, per-node and per-owner-set bounds, summed with dicts."""
     per_recv: dict[int, list[int]] = {}
+    per_node: dict[int, int] = {}
     per_set: dict[tuple[int, ...], list[int]] = {}
+    seen = set()  # (tensor, slice, node): the node and the owner set count each once
     for it in items:
         near = sum(node(d) == node(it.recv) for d in it.owners)
         k = 0 if near == len(it.owners) else 1 if near == 0 else 2  # I, E, F
         per_recv.setdefault(it.recv, [0, 0, 0])[k] += it.nbytes
+        if (it.tensor, it.box, node(it.recv)) in seen:
+            continue
+        seen.add((it.tensor, it.box, node(it.recv)))
+        if k == 1:
+            per_node[node(it.recv)] = per_node.get(node(it.recv), 0) + it.nbytes
         per_set.setdefault(it.owners, [0, 0, 0])[k] += it.nbytes
-
-    def bound(i: int, e: int, f: int, size: int) -> float:
-        return max(i / bi, e / be, (i + e + f) / (bi + be)) / size
 
     best = 0.0
     for i, e, f in per_recv.values():
-        best = max(best, bound(i, e, f, 1))
+        best = max(best, i / bi, (i + e + f) / (bi + be))
+    for e in per_node.values():
+        best = max(best, e / (devices_per_node * be))
     for owners, (i, e, f) in per_set.items():
-        best = max(best, bound(i, e, f, len(owners)))
+        best = max(best, max(i / bi, e / be, (i + e + f) / (bi + be)) / len(owners))
     return best

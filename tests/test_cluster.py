@@ -230,6 +230,8 @@ def assert_same_plans(moves, topology):
         slow = reference_planner.plan_switch(moves, topology, algorithm)
         assert Counter(map(_key, fast.transfers)) == Counter(map(_key, slow.transfers)), algorithm
         assert Counter(map(_key, fast.local_copies)) == Counter(map(_key, slow.local_copies)), algorithm
+        assert Counter(map(_key, fast.relays)) == Counter(map(_key, slow.relays)), algorithm
+        assert fast.inter_node_lower_bound_bytes == slow.inter_node_lower_bound_bytes
         assert fast.bytes_moved == slow.bytes_moved
         assert fast.inter_node_bytes == slow.inter_node_bytes and fast.intra_node_bytes == slow.intra_node_bytes
         assert fast.send_bytes_intra.tolist() == slow.send_bytes_intra

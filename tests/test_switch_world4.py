@@ -162,11 +162,16 @@ def test_greedy_beats_baselines_on_two_nodes(results):
     for a, b in pairs:
         greedy = summaries[(a, b, "greedy")]
         assert greedy["bytes_moved"] == greedy["lower_bound_bytes"], (a, b, greedy)
+        # relays: each slice crosses into a node once, however many of its devices need it
+        assert greedy["inter_node_bytes"] == greedy["inter_node_lower_bound_bytes"], (a, b, greedy)
         for baseline in ("fcfs", "round_robin"):
             other = summaries[(a, b, baseline)]
             assert greedy["inter_node_bytes"] <= other["inter_node_bytes"], (a, b, baseline)
             assert greedy["max_send_bytes"] <= other["max_send_bytes"], (a, b, baseline)
         assert greedy["bytes_moved"] <= summaries[(a, b, "gather")]["bytes_moved"]
+    tp4_to_dp4 = summaries[("tp4", "dp4", "greedy")]  # every device needs the other node's two quarters
+    assert tp4_to_dp4["num_relays"] > 0
+    assert tp4_to_dp4["inter_node_bytes"] * 2 == summaries[("tp4", "dp4", "fcfs")]["inter_node_bytes"]
 
 
 def test_plan_order_is_a_cycle(results):

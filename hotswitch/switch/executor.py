@@ -6,6 +6,8 @@ HotSPa's execution, with an atomic commit:
    buffers are built once and sent to every peer that needs them); one receive buffer per peer;
 3. all ranks agree that preparation succeeded (one tiny all-reduce), then one `batch_isend_irecv`;
 4. received buffers are unpacked straight into the new storage (`kernels.unpack`);
+   a plan with relays then runs its second stage the same way: slices that crossed the node link
+   once are packed from the new storage of the rank that got them and sent to the others of its node;
 5. all ranks agree again, and only then does the caller commit. A failure anywhere before the
    second agreement raises `SwitchAborted` on every rank, and the old state is still the state.
 """
@@ -123,11 +125,9 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
     moves_data = len(plan.transfer_array) > 0  # same on every rank: the plan is global
     if moves_data and not _agree(error is None, group):  # a failed rank must not leave peers waiting in P2P
         raise SwitchAborted(f"switch aborted before any transfer (rank {rank}: {error!r})") from error
-    ops = [dist.P2POp(dist.isend, buf, peer, group) for peer, buf in sends]
-    ops += [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf, _ in recvs]
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
+    _exchange(sends, recvs, group)
+    relay_sends: list[tuple[int, torch.Tensor]] = []
+    relay_recvs: list[tuple[int, torch.Tensor, list[Transfer]]] = []
     try:
         for peer, buf, transfers in recvs:
             if plan.algorithm == "gather":  # whole source boxes arrive; keep the part inside our box
@@ -138,15 +138,43 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
                     offset += _volume(t)
             else:
                 unpack(buf, [(new[t.tensor], t.dst_local(dst[t.tensor])) for t in transfers], backend=backend)
+        if plan.stages > 1:  # the relay stage: forward from the new storage what crossed the node link once
+            for peer, transfers in plan.by_peer(rank, stage=1).items():
+                for dtype, group_t in _by_dtype(transfers, new).items():
+                    relay_sends.append((peer, pack([(new[t.tensor], t.forward_local(dst[t.tensor])) for t in group_t],
+                                                   backend=backend)))
+            for peer, transfers in plan.receives(rank, stage=1).items():
+                for dtype, group_t in _by_dtype(transfers, new).items():
+                    relay_recvs.append((peer, torch.empty(sum(_volume(t) for t in group_t), dtype=dtype,
+                                                          device=device), group_t))
+    except Exception as e:  # noqa: BLE001
+        error = e
+    if plan.stages > 1:
+        if not _agree(error is None, group):
+            raise SwitchAborted(f"switch aborted before its relay stage (rank {rank}: {error!r}); "
+                                "the previous config is still active") from error
+        _exchange(relay_sends, relay_recvs, group)
+    try:
+        for peer, buf, transfers in relay_recvs:
+            unpack(buf, [(new[t.tensor], t.dst_local(dst[t.tensor])) for t in transfers], backend=backend)
         _maybe_fail("unpack", rank)
     except Exception as e:  # noqa: BLE001
         error = e
     if not _agree(error is None, group):
         raise SwitchAborted(f"switch aborted after the transfers, before commit (rank {rank}: {error!r}); "
                             "the previous config is still active") from error
-    sent = sum(b.numel() * b.element_size() for _, b in sends)
-    received = sum(b.numel() * b.element_size() for _, b, _ in recvs)
+    sent = sum(b.numel() * b.element_size() for _, b in sends + relay_sends)
+    received = sum(b.numel() * b.element_size() for _, b, _ in recvs + relay_recvs)
     return new, sent, received
+
+
+def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor, list]], group) -> None:
+    """Every send and receive of one stage in one `batch_isend_irecv`, waited for."""
+    ops = [dist.P2POp(dist.isend, buf, peer, group) for peer, buf in sends]
+    ops += [dist.P2POp(dist.irecv, buf, peer, group) for peer, buf, _ in recvs]
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
 
 
 def _by_dtype(transfers: list[Transfer], tensors: dict[str, torch.Tensor]) -> dict[torch.dtype, list[Transfer]]:

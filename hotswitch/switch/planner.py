@@ -21,6 +21,12 @@ tensors and over the greedy's choices.
   inter loads kept apart: the links overlap in time). Order: work items with a single candidate
   sender are committed first (their loads are fixed whatever the order), then the items with a
   choice in (tensor order of `moves`, receiver device id, slice in row-major order) order.
+  **Relay**: a slice that no device of a node owns, needed by several receivers there, crosses the
+  node link once: to the receiver among them with the least inter-node receive load so far (ties ->
+  lowest id; receivers that need a slice alone there are counted first, then the shared slices in
+  item order of their first receiver), which forwards it to the others inside the node in a second
+  stage of the switch (`relays`), from its new shard. Only the relay's item goes through the
+  sender choice above.
 - `fcfs`: the owner with the lowest device id.
 - `round_robin`: per (tensor, slice), the receivers that lack it (by device id) take its owners
   (by device id) in turn.
@@ -30,25 +36,28 @@ tensors and over the greedy's choices.
   the part of its own source box inside its destination box is a local copy.
 
 **Pricing.** Each device has an intra-node and an inter-node link, each with separate send and
-receive directions, all four overlapping (HotSPa). A device's time is the largest of its four
-loads divided by the link's bandwidth; the plan's `estimated_seconds` is the busiest device's.
+receive directions, all four overlapping (HotSPa). A stage's time is its busiest device's: the
+largest of that device's four loads divided by the link's bandwidth; the plan's
+`estimated_seconds` is the first stage's plus the relay stage's.
 
 **Lower bounds** (algorithm-independent, valid for any plan that sends each missing slice from one of
-its owners). `lower_bound_bytes`: per receiver, the bytes of its destination box outside the source
-box it holds. `lower_bound_seconds` is the largest of two families of bounds. Classify every missing
-(receiver, slice) by its owners: I = all owners on the receiver's node (must arrive intra-node),
-E = none there (must arrive inter-node), F = some (either link). With bandwidths bi, be:
+its owners, or forwards it from a receiver on the same node that got it already).
+`lower_bound_bytes`: per receiver, the bytes of its destination box outside the source box it
+holds. `inter_node_lower_bound_bytes`: per node, the bytes of every slice its receivers need and no
+device of the node owns, once. `lower_bound_seconds` is the largest of three families of bounds.
+Classify every missing (receiver, slice) by its owners: I = all owners on the receiver's node (it
+arrives intra-node), E = none there (inter-node, or relayed inside the node), F = some (either).
+With bandwidths bi, be:
 
-- per receiver: max(I / bi, E / be, (I + E + F) / (bi + be)), since its two receive links together
-  carry at most (bi + be) bytes per second;
+- per receiver: max(I / bi, (I + E + F) / (bi + be)), since its two receive links together carry at
+  most (bi + be) bytes per second;
+- per node: its E bytes counted once per slice, over the inter-node receive links of its
+  devices_per_node devices;
 - per owner set G (the devices holding one source box, summed over every box with that same set,
-  so the replicas of a data-parallel group share their work): the members of G together must send
-  the same I, E, F bytes, so the busiest member needs at least
-  max(I / (|G| bi), E / (|G| be), (I + E + F) / (|G| (bi + be))). A single owner (|G| = 1) makes
-  this the sender's unavoidable send time.
-
-With one link per device and direction, a per-node bound on bytes entering a node is implied by the
-per-receiver bounds (it would divide by devices_per_node * be), so none is added.
+  so the replicas of a data-parallel group share their work): each slice must leave G at least
+  once per node that needs it (I, E, F counted once per (slice, node)), so the busiest member needs
+  at least max(I / (|G| bi), E / (|G| be), (I + E + F) / (|G| (bi + be))). A single owner
+  (|G| = 1) makes this the sender's unavoidable send time.
 """
 
 from __future__ import annotations
@@ -145,6 +154,11 @@ class Transfer:
             )
         return tuple(slice(a - oa, b - oa) for (a, b), (oa, _) in zip(self.box, own))
 
+    def forward_local(self, dst_layout: Layout) -> tuple[slice, ...]:
+        """A relayed box (stage 1): where it sits in the forwarding device's new shard of `dst_layout`."""
+        own = dst_layout.box(self.src_device)
+        return tuple(slice(a - oa, b - oa) for (a, b), (oa, _) in zip(self.box, own))
+
     def dst_local(self, dst_layout: Layout) -> tuple[slice, ...]:
         """Where the kept part of the box (box ∩ receiver's box) sits in the receiver's local shard."""
         own = dst_layout.box(self.dst_device)
@@ -176,10 +190,12 @@ def _record_dtype(ndim: int) -> np.dtype:
 class SwitchPlan:
     """Who sends which slice to whom, with its byte counts, estimated time and lower bounds.
 
-    `transfer_array` / `local_copy_array` hold the plan as structured numpy arrays (columns tensor
-    (index into `tensor_names`), src, dst, nbytes, lo, hi), sorted by (src, dst, tensor, box)
-    and (dst, tensor, box); `transfers`, `local_copies`, `by_peer` and `receives` build Transfer
-    objects from them on demand.
+    `transfer_array` / `local_copy_array` / `relay_array` hold the plan as structured numpy arrays
+    (columns tensor (index into `tensor_names`), src, dst, nbytes, lo, hi), sorted by (src, dst,
+    tensor, box), (dst, tensor, box) and (src, dst, tensor, box); `transfers`, `local_copies`,
+    `relays`, `by_peer` and `receives` build Transfer objects from them on demand. Stage 0 sends
+    from owners (`transfer_array`); stage 1 (`relay_array`) forwards slices a receiver got in stage 0
+    from its new shard to receivers on its node.
     """
 
     algorithm: str
@@ -188,6 +204,7 @@ class SwitchPlan:
     tensor_ndims: tuple[int, ...]
     transfer_array: np.ndarray = field(repr=False)
     local_copy_array: np.ndarray = field(repr=False)
+    relay_array: np.ndarray = field(repr=False)  # the second stage: received slices forwarded inside a node
     bytes_moved: int
     inter_node_bytes: int
     intra_node_bytes: int
@@ -196,6 +213,7 @@ class SwitchPlan:
     recv_bytes_intra: np.ndarray = field(repr=False)
     recv_bytes_inter: np.ndarray = field(repr=False)
     lower_bound_bytes: int
+    inter_node_lower_bound_bytes: int
     lower_bound_seconds: float
     estimated_seconds: float
     planning_seconds: float = 0.0
@@ -226,18 +244,27 @@ class SwitchPlan:
         """Copies within one device (src == dst), sorted by (dst, tensor, box)."""
         return self._build(self.local_copy_array)
 
-    def by_peer(self, device: int) -> dict[int, list[Transfer]]:
-        """What `device` sends, per receiving peer (ascending), each list in (tensor, box) order.
+    @cached_property
+    def relays(self) -> tuple[Transfer, ...]:
+        """Stage 1: slices forwarded inside a node by the receiver that got them in stage 0."""
+        return self._build(self.relay_array)
 
-        The receiver's `receives(peer)[device]` lists the same transfers in the same order, so one
-        packed buffer per peer lines up on both sides.
+    @property
+    def stages(self) -> int:
+        return 2 if len(self.relay_array) else 1
+
+    def by_peer(self, device: int, stage: int = 0) -> dict[int, list[Transfer]]:
+        """What `device` sends in `stage`, per receiving peer (ascending), each list in (tensor, box) order.
+
+        The receiver's `receives(peer, stage)[device]` lists the same transfers in the same order, so
+        one packed buffer per peer lines up on both sides.
         """
-        rows = self._rows(self.transfer_array, "src", device)
+        rows = self._rows(self.relay_array if stage else self.transfer_array, "src", device)
         return self._group(rows, "dst")
 
-    def receives(self, device: int) -> dict[int, list[Transfer]]:
-        """What `device` receives, per sending peer (ascending), in the sender's packing order."""
-        rows = self._by_dst
+    def receives(self, device: int, stage: int = 0) -> dict[int, list[Transfer]]:
+        """What `device` receives in `stage`, per sending peer (ascending), in the sender's packing order."""
+        rows = self._by_dst[stage]
         lo, hi = np.searchsorted(rows["dst"], [device, device + 1])
         return self._group(rows[lo:hi], "src")
 
@@ -252,9 +279,11 @@ class SwitchPlan:
             "devices_per_node": self.topology.devices_per_node,
             "num_tensors": len(self.tensor_names),
             "num_transfers": int(len(self.transfer_array)),
+            "num_relays": int(len(self.relay_array)),
             "num_local_copies": int(len(self.local_copy_array)),
             "bytes_moved": self.bytes_moved,
             "inter_node_bytes": self.inter_node_bytes,
+            "inter_node_lower_bound_bytes": self.inter_node_lower_bound_bytes,
             "intra_node_bytes": self.intra_node_bytes,
             "local_copy_bytes": int(self.local_copy_array["nbytes"].sum()),
             "max_send_bytes": self.max_send_bytes,
@@ -269,7 +298,7 @@ class SwitchPlan:
     def __repr__(self) -> str:
         return (
             f"SwitchPlan({self.algorithm}, {len(self.tensor_names)} tensors, "
-            f"{len(self.transfer_array)} transfers, {self.bytes_moved} bytes "
+            f"{len(self.transfer_array)} transfers + {len(self.relay_array)} relayed, {self.bytes_moved} bytes "
             f"({self.inter_node_bytes} inter-node), est {self.estimated_seconds:.3g} s "
             f">= bound {self.lower_bound_seconds:.3g} s)"
         )
@@ -277,10 +306,10 @@ class SwitchPlan:
     # -- helpers
 
     @cached_property
-    def _by_dst(self) -> np.ndarray:
-        """The transfers sorted by (dst, src), each pair's rows kept in the sender's order."""
-        a = self.transfer_array
-        return a[np.lexsort((np.arange(len(a)), a["src"], a["dst"]))]
+    def _by_dst(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each stage's transfers sorted by (dst, src), each pair's rows kept in the sender's order."""
+        return tuple(a[np.lexsort((np.arange(len(a)), a["src"], a["dst"]))]
+                     for a in (self.transfer_array, self.relay_array))
 
     @staticmethod
     def _rows(array: np.ndarray, column: str, device: int) -> np.ndarray:
@@ -566,7 +595,8 @@ def lower_bound_seconds(moves: Sequence[TensorMove], topology: Topology) -> floa
             pairs[(m.src, m.dst)] = _pair(m.src, m.dst)
     planner = _Planner(moves, [pairs[(m.src, m.dst)] for m in moves], topology, "fcfs")
     items, moved = planner.items, ~planner.items["local"]
-    return planner._lower_bound_seconds(items["box"][moved], items["recv"][moved], items["nbytes"][moved])
+    return planner._lower_bound_seconds(items["box"][moved], items["recv"][moved], items["nbytes"][moved],
+                                        items["key"][moved])
 
 
 class _Planner:
@@ -720,38 +750,53 @@ class _Planner:
         it = self.items
         local = it["local"]
         moved = ~local
-        box, recv, nbytes = it["box"][moved], it["recv"][moved], it["nbytes"][moved]
+        box, recv, nbytes, key = it["box"][moved], it["recv"][moved], it["nbytes"][moved], it["key"][moved]
+        relay = np.full(len(box), -1, np.int64)  # per moved item: the receiver it is forwarded from (-1: none)
         if self.algorithm == "greedy":
-            sender = self._greedy(box, recv, nbytes)
+            relay = self._relays(box, recv, nbytes, key)
+        direct = relay < 0
+        if self.algorithm == "greedy":  # only items that do not arrive by relay choose a sender
+            sender = self._greedy(box[direct], recv[direct], nbytes[direct])
         elif self.algorithm == "fcfs":
             sender = self._fcfs(box)
         elif self.algorithm == "round_robin":
-            sender = self._round_robin(box, it["key"][moved])
+            sender = self._round_robin(box, key)
+        tensor, lo, hi = it["tensor"][moved], it["lo"][moved], it["hi"][moved]
         if self.algorithm == "gather":
             g = self._gather_items()
             tr = (g["tensor"], g["src"], g["recv"], g["nbytes"], g["lo"], g["hi"])
         else:
-            assert not np.any(sender == recv), "a sender was chosen for a slice its receiver holds"
-            tr = (it["tensor"][moved], sender, recv, nbytes, it["lo"][moved], it["hi"][moved])
+            assert not np.any(sender == recv[direct]), "a sender was chosen for a slice its receiver holds"
+            tr = (tensor[direct], sender, recv[direct], nbytes[direct], lo[direct], hi[direct])
+        fw = ~direct
+        rl = (tensor[fw], relay[fw], recv[fw], nbytes[fw], lo[fw], hi[fw])
         lc = (it["tensor"][local], it["recv"][local], it["recv"][local], it["nbytes"][local],
               it["lo"][local], it["hi"][local])
         transfers = self._records(tr, primary="src")
+        relays = self._records(rl, primary="src")
         local_copies = self._records(lc, primary="dst")
 
         topo, n = self.topology, self.topology.num_devices
         dpn = topo.devices_per_node
-        s, d, nb = transfers["src"], transfers["dst"], transfers["nbytes"]
-        intra = s // dpn == d // dpn
-
-        def per_device(devices, mask):
-            return np.bincount(devices[mask], weights=nb[mask], minlength=n).round().astype(np.int64)
-
-        send_intra, send_inter = per_device(s, intra), per_device(s, ~intra)
-        recv_intra, recv_inter = per_device(d, intra), per_device(d, ~intra)
         bi, be = topo.intra_node_bandwidth, topo.inter_node_bandwidth
-        per_dev = np.maximum.reduce([send_intra / bi, send_inter / be, recv_intra / bi, recv_inter / be])
+        loads, seconds = [], 0.0
+        for stage in (transfers, relays):
+            s, d, nb = stage["src"], stage["dst"], stage["nbytes"]
+            intra = s // dpn == d // dpn
+
+            def per_device(devices, mask):
+                return np.bincount(devices[mask], weights=nb[mask], minlength=n).round().astype(np.int64)
+
+            stage_loads = (per_device(s, intra), per_device(s, ~intra), per_device(d, intra), per_device(d, ~intra))
+            loads.append(stage_loads)
+            seconds += float(np.maximum.reduce([stage_loads[0] / bi, stage_loads[1] / be,
+                                                stage_loads[2] / bi, stage_loads[3] / be]).max(initial=0.0))
+        send_intra, send_inter, recv_intra, recv_inter = (a + b for a, b in zip(*loads))
         lower_bound_bytes = sum(p.lower_bound_elems * m.itemsize
                                 for m, p in zip(self.moves, (self.pairs[i] for i in self.pair_of)))
+        _, _, cls = self._candidates(box, recv)
+        inter = cls == 1
+        _, first = np.unique(key[inter] * topo.num_nodes + recv[inter] // dpn, return_index=True)
         return SwitchPlan(
             algorithm=self.algorithm,
             topology=topo,
@@ -759,18 +804,47 @@ class _Planner:
             tensor_ndims=tuple(len(m.shape) for m in self.moves),
             transfer_array=transfers,
             local_copy_array=local_copies,
-            bytes_moved=int(nb.sum()),
-            inter_node_bytes=int(nb[~intra].sum()),
-            intra_node_bytes=int(nb[intra].sum()),
+            relay_array=relays,
+            bytes_moved=int(send_intra.sum() + send_inter.sum()),
+            inter_node_bytes=int(send_inter.sum()),
+            intra_node_bytes=int(send_intra.sum()),
             send_bytes_intra=send_intra,
             send_bytes_inter=send_inter,
             recv_bytes_intra=recv_intra,
             recv_bytes_inter=recv_inter,
             lower_bound_bytes=int(lower_bound_bytes),
-            lower_bound_seconds=self._lower_bound_seconds(box, recv, nbytes),
-            estimated_seconds=float(per_dev.max(initial=0.0)),
+            inter_node_lower_bound_bytes=int(nbytes[inter][first].sum()),
+            lower_bound_seconds=self._lower_bound_seconds(box, recv, nbytes, key),
+            estimated_seconds=seconds,
             planning_seconds=time.perf_counter() - t0,
         )
+
+    def _relays(self, box, recv, nbytes, key) -> np.ndarray:
+        """Per moved item, the receiver that forwards it (-1: it comes from an owner): see `greedy`'s
+        relay in the module doc."""
+        relay = np.full(len(box), -1, np.int64)
+        _, _, cls = self._candidates(box, recv)
+        idx = np.flatnonzero(cls == 1)
+        if len(idx) == 0:
+            return relay
+        dpn, n = self.topology.devices_per_node, self.topology.num_devices
+        group = key[idx] * self.topology.num_nodes + recv[idx] // dpn  # (tensor, slice, receiving node)
+        order = np.argsort(group, kind="stable")  # a group's items stay in item order (receivers ascending)
+        members, g = idx[order], group[order]
+        starts = np.flatnonzero(np.r_[True, g[1:] != g[:-1]])
+        sizes = np.diff(np.r_[starts, len(g)])
+        alone = members[starts[sizes == 1]]
+        load = np.bincount(recv[alone], weights=nbytes[alone], minlength=n).round().astype(np.int64).tolist()
+        shared = np.flatnonzero(sizes > 1)
+        shared = shared[np.argsort(members[starts[shared]], kind="stable")]  # by their first item
+        receivers, sizes_of = recv.tolist(), nbytes.tolist()
+        for a, z in zip(starts[shared].tolist(), (starts[shared] + sizes[shared]).tolist()):
+            items = members[a:z].tolist()
+            best = min(items, key=lambda i: (load[receivers[i]], receivers[i]))
+            load[receivers[best]] += sizes_of[best]
+            others = [i for i in items if i != best]
+            relay[others] = receivers[best]
+        return relay
 
     def _records(self, cols, primary: str) -> np.ndarray:
         tensor, src, dst, nbytes, lo, hi = cols
@@ -783,27 +857,30 @@ class _Planner:
         rec.setflags(write=False)
         return rec
 
-    def _lower_bound_seconds(self, box, recv, nbytes) -> float:
-        """Max of the per-receiver and per-owner-set bounds of the module doc, over missing slices."""
+    def _lower_bound_seconds(self, box, recv, nbytes, key) -> float:
+        """Max of the per-receiver, per-node and per-owner-set bounds of the module doc, over missing slices."""
         if len(box) == 0:
             return 0.0
         topo = self.topology
-        bi, be = topo.intra_node_bandwidth, topo.inter_node_bandwidth
+        bi, be, dpn = topo.intra_node_bandwidth, topo.inter_node_bandwidth, topo.devices_per_node
         lo, hi, cls = self._candidates(box, recv)
         n_owners = self.owner_ptr[box + 1] - self.owner_ptr[box]
         must_intra = (cls == 0) & (hi - lo == n_owners)
         must_inter = cls == 1
         flexible = ~(must_intra | must_inter)
 
-        def bound(group: np.ndarray, size: np.ndarray | float) -> float:
+        def sums(group: np.ndarray, rows: np.ndarray | slice = slice(None)):
             k = int(group.max()) + 1
-            i = np.bincount(group[must_intra], weights=nbytes[must_intra], minlength=k)
-            e = np.bincount(group[must_inter], weights=nbytes[must_inter], minlength=k)
-            f = np.bincount(group[flexible], weights=nbytes[flexible], minlength=k)
-            t = np.maximum.reduce([i / bi, e / be, (i + e + f) / (bi + be)]) / size
-            return float(t.max())
+            g, w = group[rows], nbytes[rows]
+            return [np.bincount(g[m[rows]], weights=w[m[rows]], minlength=k)
+                    for m in (must_intra, must_inter, flexible)]
 
-        per_receiver = bound(recv, 1.0)
+        i, e, f = sums(recv)
+        per_receiver = float(np.maximum(i / bi, (i + e + f) / (bi + be)).max())
+        # each (slice, node) once: the first of its items (the class depends on the node, not the receiver)
+        node = recv // dpn
+        _, once = np.unique(key * topo.num_nodes + node, return_index=True)
+        per_node = float((sums(node, once)[1] / (dpn * be)).max())
         # owner sets: boxes whose owners are the same devices share one id
         sets: dict[tuple[int, ...], int] = {}
         owners = self.owner_dev.tolist()
@@ -815,8 +892,10 @@ class _Planner:
         set_size = np.zeros(len(sets))
         set_size[set_of_box] = np.diff(self.owner_ptr)
         group = set_of_box[box]
-        per_owner_set = bound(group, set_size[: int(group.max()) + 1])
-        return max(per_receiver, per_owner_set)
+        i, e, f = sums(group, once)
+        size = set_size[: int(group.max()) + 1]
+        per_owner_set = float((np.maximum.reduce([i / bi, e / be, (i + e + f) / (bi + be)]) / size).max())
+        return max(per_receiver, per_node, per_owner_set)
 
 
 # ---------------------------------------------------------------- cache

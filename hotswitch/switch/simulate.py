@@ -105,7 +105,7 @@ def simulate(
     """Predict how long `plan` (a `SwitchPlan`) takes on its Topology (see the module doc)."""
     topo: Topology = plan.topology
     n, dpn = topo.num_devices, topo.devices_per_node
-    bi, be = topo.intra_node_bandwidth, topo.inter_node_bandwidth
+    be = topo.inter_node_bandwidth
     for name, value in (("intra_latency", intra_latency), ("inter_latency", inter_latency)):
         if not 0 <= value < float("inf"):
             raise ValueError(f"{name} must be a non-negative number of seconds, got {value!r}")
@@ -113,34 +113,18 @@ def simulate(
     if not 0 < node_bw < float("inf"):
         raise ValueError(f"node_inter_bandwidth must be a positive number of bytes/s, got {node_inter_bandwidth!r}")
 
-    # one message per (sender, receiver) pair; count each device's peers per link class and direction
-    tr = plan.transfer_array
-    pairs = np.unique(tr["src"].astype(np.int64) * n + tr["dst"]) if len(tr) else np.zeros(0, np.int64)
-    src, dst = pairs // n, pairs % n
-    intra = src // dpn == dst // dpn
-    msgs = [np.bincount(src[intra], minlength=n), np.bincount(src[~intra], minlength=n),
-            np.bincount(dst[intra], minlength=n), np.bincount(dst[~intra], minlength=n)]
-    loads = [plan.send_bytes_intra, plan.send_bytes_inter, plan.recv_bytes_intra, plan.recv_bytes_inter]
-    bandwidth = (bi, be, bi, be)
-    latency = (intra_latency, inter_latency, intra_latency, inter_latency)
-    terms = np.stack([load / bw + m * lat for load, m, bw, lat in zip(loads, msgs, bandwidth, latency)])
-    lat_terms = np.stack([m * lat for m, lat in zip(msgs, latency)])
-    per_device = terms.max(axis=0) if n else np.zeros(0)
-
-    nodes = topo.num_nodes
-    out_of = np.bincount(np.arange(n) // dpn, weights=plan.send_bytes_inter, minlength=nodes) / node_bw
-    into = np.bincount(np.arange(n) // dpn, weights=plan.recv_bytes_inter, minlength=nodes) / node_bw
-    per_node = np.maximum(out_of, into)
-
-    busiest = int(per_device.argmax()) if len(tr) else 0
-    term = int(terms[:, busiest].argmax())
-    seconds, bottleneck = float(per_device[busiest]), f"dev {busiest} {_TERMS[term]}"
-    node = int(per_node.argmax())
-    if per_node[node] > seconds:
-        seconds = float(per_node[node])
-        bottleneck = f"node {node} NICs {'out' if out_of[node] >= into[node] else 'in'}"
-    if not len(tr):
-        seconds, bottleneck = 0.0, "nothing moves"
+    stages = [_stage(a, topo, node_bw, intra_latency, inter_latency)
+              for a in (plan.transfer_array, plan.relay_array) if len(a)]
+    if not stages:
+        seconds, bottleneck, busiest, latency_seconds, messages = 0.0, "nothing moves", 0, 0.0, 0
+        per_device, per_node = np.zeros(n), np.zeros(topo.num_nodes)
+    else:  # a relay stage starts when the first has arrived: the stages add up
+        seconds = sum(st[0] for st in stages)
+        slowest = max(range(len(stages)), key=lambda i: stages[i][0])
+        _, bottleneck, busiest, latency_seconds, _, _, _ = stages[slowest]
+        bottleneck = ("relay stage: " if slowest else "") + bottleneck
+        messages = sum(st[4] for st in stages)
+        per_device, per_node = sum(st[5] for st in stages), sum(st[6] for st in stages)
     assert seconds >= plan.estimated_seconds * (1 - 1e-12), "a simulated link beat the planner's estimate"
     return Simulation(
         algorithm=plan.algorithm,
@@ -149,11 +133,42 @@ def simulate(
         bottleneck=bottleneck,
         per_device_seconds=per_device,
         per_node_seconds=per_node,
-        latency_seconds=float(lat_terms[term, busiest]) if len(tr) else 0.0,
-        messages=int(len(pairs)),
+        latency_seconds=latency_seconds,
+        messages=messages,
         plan_estimated_seconds=plan.estimated_seconds,
         lower_bound_seconds=plan.lower_bound_seconds,
     )
+
+
+def _stage(tr: np.ndarray, topo: Topology, node_bw: float, intra_latency: float, inter_latency: float):
+    """One stage of transfers: (seconds, bottleneck, busiest device, its latency, messages, seconds
+    per device, seconds per node)."""
+    n, dpn, nodes = topo.num_devices, topo.devices_per_node, topo.num_nodes
+    s, d, nb = tr["src"].astype(np.int64), tr["dst"].astype(np.int64), tr["nbytes"]
+    near = s // dpn == d // dpn
+    loads = [np.bincount(s[near], weights=nb[near], minlength=n), np.bincount(s[~near], weights=nb[~near], minlength=n),
+             np.bincount(d[near], weights=nb[near], minlength=n), np.bincount(d[~near], weights=nb[~near], minlength=n)]
+    # one message per (sender, receiver) pair; count each device's peers per link class and direction
+    pairs = np.unique(s * n + d)
+    src, dst = pairs // n, pairs % n
+    intra = src // dpn == dst // dpn
+    msgs = [np.bincount(src[intra], minlength=n), np.bincount(src[~intra], minlength=n),
+            np.bincount(dst[intra], minlength=n), np.bincount(dst[~intra], minlength=n)]
+    bandwidth = (topo.intra_node_bandwidth, topo.inter_node_bandwidth) * 2
+    latency = (intra_latency, inter_latency, intra_latency, inter_latency)
+    terms = np.stack([load / bw + m * lat for load, m, bw, lat in zip(loads, msgs, bandwidth, latency)])
+    per_device = terms.max(axis=0)
+    out_of = np.bincount(np.arange(n) // dpn, weights=loads[1], minlength=nodes) / node_bw
+    into = np.bincount(np.arange(n) // dpn, weights=loads[3], minlength=nodes) / node_bw
+    per_node = np.maximum(out_of, into)
+    busiest = int(per_device.argmax())
+    term = int(terms[:, busiest].argmax())
+    seconds, bottleneck = float(per_device[busiest]), f"dev {busiest} {_TERMS[term]}"
+    node = int(per_node.argmax())
+    if per_node[node] > seconds:
+        seconds = float(per_node[node])
+        bottleneck = f"node {node} NICs {'out' if out_of[node] >= into[node] else 'in'}"
+    return seconds, bottleneck, busiest, float(msgs[term][busiest] * latency[term]), len(pairs), per_device, per_node
 
 
 # ---------------------------------------------------------------- comparing algorithms
@@ -187,6 +202,8 @@ def report(plan, sim: Simulation) -> dict:
         "latency_seconds": sim.latency_seconds,
         "messages": sim.messages,
         "num_transfers": int(len(plan.transfer_array)),
+        "num_relays": int(len(plan.relay_array)),
+        "inter_node_lower_bound_bytes": plan.inter_node_lower_bound_bytes,
         "planning_seconds": plan.planning_seconds,
     }
 
