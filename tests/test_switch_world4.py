@@ -110,6 +110,40 @@ def check_attached_state_moves_with_switches():
     cm.detach_state("exp_avg"), cm.detach_state("master")
 
 
+def check_prefetched_weights_equal_a_plain_switch():
+    """The weights move to dp4 in the background while tp4 computes; the switch then moves only the
+    gradients. Weights bit-exact, gradients equal to the single-device sum; a prefetch into another
+    config than the next switch's is waited for and dropped, and so is one the weights outgrew."""
+    cm = _compiled()
+    cm.switch("tp4")
+    cm.zero_grad()
+    full = cm.full_state_dict()
+    (a_ids, a_labels), (b_ids, b_labels) = batch(seed=3), batch(batch=6, seed=4)
+    model = make_model("gpt")
+    _, ga = reference(model, a_ids, a_labels)
+    _, gb = reference(model, b_ids, b_labels)
+    cm.prefetch("dp4")
+    cm.forward_backward(*cm.shard_inputs(a_ids, a_labels))  # the prefetch runs beside it
+    stats = cm.switch("dp4")
+    weights_only = cm.plan_switch("tp4", "dp4").bytes_moved
+    grads_only = cm.plan_switch("tp4", "dp4", with_grads=True, weights=False).bytes_moved
+    assert stats.overlapped_seconds > 0 and grads_only == weights_only > 0
+    assert all(torch.equal(full[k], v) for k, v in cm.full_state_dict().items())
+    cm.forward_backward(*cm.shard_inputs(b_ids, b_labels))
+    grads = cm.full_grads()
+    assert max(rel_err(grads[n], ga[n] + gb[n]) for n in ga) < 1e-5
+    cm.zero_grad()
+    cm.prefetch("dp2tp2")
+    cm.switch("tp4sp")  # not the prefetched config: a plain switch
+    assert cm.last_switch.overlapped_seconds == 0
+    cm.prefetch("tp4")
+    cm.set_local_params(cm.local_params)  # the weights changed (an optimizer step): the prefetch is dropped
+    cm.switch("tp4")
+    assert cm.last_switch.overlapped_seconds == 0
+    assert all(torch.equal(full[k], v) for k, v in cm.full_state_dict().items())
+    return stats.bytes_sent, weights_only, grads_only
+
+
 def check_plans_are_pure_and_identical_on_all_ranks():
     cm = _compiled()
     summaries = {}
@@ -136,6 +170,7 @@ def check_plan_order():
 
 results = dist_fixture(4, [check_round_trip_bit_exact, check_gradients_accumulate_across_switches,
                            check_failed_switch_keeps_previous_config, check_attached_state_moves_with_switches,
+                           check_prefetched_weights_equal_a_plain_switch,
                            check_plans_are_pure_and_identical_on_all_ranks,
                            check_plan_order], env={"HOTSWITCH_PACK_BACKEND": "torch"})
 
@@ -154,6 +189,13 @@ def test_failed_switch_leaves_previous_config_usable(results):
 
 def test_attached_state_moves_with_switches(results):
     results["check_attached_state_moves_with_switches"].raise_if_failed()
+
+
+def test_prefetched_weights_equal_a_plain_switch(results):
+    sent = [r for r in results["check_prefetched_weights_equal_a_plain_switch"].raise_if_failed()]
+    # all ranks together sent the weights (in the background) and the gradients (in the switch)
+    weights_only, grads_only = sent[0][1], sent[0][2]
+    assert sum(r[0] for r in sent) == weights_only + grads_only
 
 
 def test_greedy_beats_baselines_on_two_nodes(results):

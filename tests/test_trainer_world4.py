@@ -55,11 +55,11 @@ def _reference_steps(model, batches):
     return out
 
 
-def _run_equivalence(kind, **trainer_kwargs):
+def _run_equivalence(kind, buckets=BUCKETS, **trainer_kwargs):
     model = _model(kind)
     batches = _batches()
     ref = _reference_steps(model, batches)
-    trainer = Trainer(model, CONFIGS, dict(name="adamw", lr=LR), buckets=BUCKETS, bucket_configs=BUCKET_CONFIGS,
+    trainer = Trainer(model, CONFIGS, dict(name="adamw", lr=LR), buckets=buckets, bucket_configs=BUCKET_CONFIGS,
                       micro_batch_tokens=64, **trainer_kwargs)
     return _steps_against(trainer, batches, ref)
 
@@ -98,11 +98,11 @@ def _steps_against(trainer, batches, ref):
 
 
 def check_gpt_zero1_matches_single_device():
-    return _run_equivalence("gpt", base="dp2tp2", zero1=True)
+    return _run_equivalence("gpt", base="dp2tp2", zero1=True, prefetch=False)
 
 
 def check_llama_matches_single_device():
-    return _run_equivalence("llama")
+    return _run_equivalence("llama", buckets=[8, 16, 128])  # every step uses all three configs
 
 
 def _long_tailed_batches(steps=3, seed=7):
@@ -231,6 +231,7 @@ def _assert_equivalent(steps, worst_tensor, configs=BUCKET_CONFIGS):
 def test_gpt_with_zero1_equals_single_device_adamw(results):
     steps = results["check_gpt_zero1_matches_single_device"].raise_if_failed()[0]
     _assert_equivalent(steps, worst_tensor=1e-5)
+    assert all(sw.overlapped_seconds == 0 for s in steps for sw in s["report"].switches)  # prefetch=False
     assert steps[0]["report"].switches[0].source == "dp2tp2"  # the base holds masters and the optimizer
 
 
@@ -241,6 +242,9 @@ def test_hf_llama_equals_single_device_adamw(results):
     # |g| ~ eps = 1e-8 whose last bits differ with the reduction order (pure dp4 shows the same).
     _assert_equivalent(steps, worst_tensor=3e-5)
     assert len({s["report"].base for s in steps}) == 1  # chosen on the first step, kept after
+    for switches in [s["report"].switches for s in steps]:  # base -> a -> b -> base: b's weights moved while a computed; the way back: gradients
+        assert len(switches) == 3 and switches[1].overlapped_seconds > 0, switches
+        assert switches[0].overlapped_seconds == switches[2].overlapped_seconds == 0
 
 
 def test_memory_budget_moves_long_rows_to_tensor_parallel(results):

@@ -28,7 +28,7 @@ from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Topology, 
 from hotswitch.distributed.device import comm_tensor, runtime_device, synchronize
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
 from hotswitch.runtime.shared import JobOnce, SharedCache, trace_once
-from hotswitch.switch.executor import SwitchStats, execute_plan
+from hotswitch.switch.executor import BackgroundMove, SwitchStats, execute_plan
 from hotswitch.switch.order import OrderPlan, plan_order
 from hotswitch.switch.planner import PlanCache, SwitchPlan, TensorMove
 from hotswitch.switch.state import StateKind, split_key, state_key
@@ -127,6 +127,8 @@ class CompiledModel:
         # two configs' meshes can compare equal (same ranks) yet own different process groups, and a
         # result carries its mesh, so the collectives it leads to would name the other config's group
         self._propagation_memo: dict[str, dict] = {}
+        self._prefetch: BackgroundMove | None = None  # the next config's weights, moving in the background
+        self._prefetch_group = None  # its process group (made on first use): apart from the ExecGraphs'
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
             self.exec_graph(c.name, shapes)
@@ -159,23 +161,39 @@ class CompiledModel:
             self._check_split(st, shapes)
         return self._program(st, self._local_shapes(st, shapes), train=True, reduce=st.config.pp == 1).joint
 
-    def switch(self, name: str, algorithm: str = "greedy") -> SwitchStats:
+    def switch(self, name: str, algorithm: str = "greedy", weights: dict[str, torch.Tensor] | None = None
+               ) -> SwitchStats:
         """Activate config `name`: weights, accumulated gradients and every attached per-parameter
         state move to its layout by the cached plan. Atomic: on any failure every rank stays in the
-        previous config. Call on every rank."""
+        previous config. Call on every rank.
+
+        The weights do not move when they are already there: prefetched (`prefetch(name)`), or given
+        as `weights`, this rank's shards in `name`'s layout (the Trainer's base rebuilds them from its
+        masters). Only gradients and attached states then move."""
         st = self._state(name)
+        prefetched = self._take_prefetch(name)
         if name == self._active:
             return SwitchStats(name, name, algorithm, 0.0, 0, 0)
         t0 = time.perf_counter()
+        overlapped, sent, received = 0.0, 0, 0
+        if weights is None and prefetched is not None:
+            (weights, sent, received), overlapped = prefetched
+        if weights is not None:
+            self._check_weights(name, weights)
         kinds = self._moving_kinds()
-        plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads=StateKind.GRAD in kinds,
-                                states=tuple(k for k in kinds if k != StateKind.GRAD))
-        old = dict(self._local)
-        for kind in kinds:
-            old.update({state_key(kind, n): t for n, t in self._kind(kind).items()})
-        dst = self._layouts(name, kinds)
-        new, sent, received = execute_plan(plan, old, self._layouts(self._active, kinds), dst, self.rank,
-                                           dtypes={m: self._dtype(m) for m in dst}, device=self.device)
+        new = {}
+        if weights is None or kinds:
+            plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads=StateKind.GRAD in kinds,
+                                    states=tuple(k for k in kinds if k != StateKind.GRAD), weights=weights is None)
+            old = dict(self._local) if weights is None else {}
+            for kind in kinds:
+                old.update({state_key(kind, n): t for n, t in self._kind(kind).items()})
+            src, dst = self._layouts(self._active, kinds, weights is None), self._layouts(name, kinds, weights is None)
+            new, s, r = execute_plan(plan, old, src, dst, self.rank, dtypes={m: self._dtype(m) for m in dst},
+                                     device=self.device)
+            sent, received = sent + s, received + r
+        if weights is not None:
+            new.update(weights)
         # under pp > 1 a rank holds only its stage's parameters: the others are absent from `new`
         self._local = {n: new[n] for n in self.logic.param_names if n in new}
         if self._grads is not None:
@@ -186,10 +204,47 @@ class CompiledModel:
                                         if state_key(kind, n) in new}
         synchronize(self.device)  # the received buffers are unpacked (CUDA queues the work) before the clock
         self.last_switch = SwitchStats(
-            self._active, st.config.name, algorithm, time.perf_counter() - t0, sent, received
+            self._active, st.config.name, algorithm, time.perf_counter() - t0, sent, received, overlapped
         )
         self._active = name
         return self.last_switch
+
+    def prefetch(self, name: str, algorithm: str = "greedy") -> None:
+        """Start moving the weights into config `name`'s layout in the background (a thread, on a
+        process group of its own) while the active config computes; the next `switch(name)` waits for
+        them and moves only the gradients and attached states. The weights must not change meanwhile
+        (`set_local_params` discards the prefetch). This rank then holds two layouts of the weights.
+        Call on every rank."""
+        self._state(name)
+        self._take_prefetch(None)
+        if name == self._active:
+            return
+        if self._prefetch_group is None:  # a collective: every rank makes it at its first prefetch
+            self._prefetch_group = dist.new_group(list(range(self.world_size)))
+        plan = self.plan_switch(self._active, name, algorithm=algorithm)
+        dst = self._layouts(name)
+        self._prefetch = BackgroundMove(name, plan, dict(self._local), self._layouts(self._active), dst, self.rank,
+                                        self._prefetch_group, dtypes={m: self._dtype(m) for m in dst},
+                                        device=self.device)
+
+    def _take_prefetch(self, name: str | None):
+        """The finished prefetch into `name` as ((weights, sent, received), seconds), or None; a
+        prefetch into another config is waited for and dropped (its transfers are under way on
+        every rank)."""
+        pending, self._prefetch = self._prefetch, None
+        if pending is None:
+            return None
+        out = pending.result()
+        return (out, pending.seconds) if pending.destination == name else None
+
+    def _check_weights(self, name: str, weights: dict[str, torch.Tensor]) -> None:
+        layouts = self._layouts(name)
+        for n in self._held(self._states[name]):
+            want = tuple(layouts[n].local_shape(self.rank))
+            if n not in weights or tuple(weights[n].shape) != want:
+                got = tuple(weights[n].shape) if n in weights else "nothing"
+                raise ValueError(f"switch({name!r}, weights=...): {n} needs this rank's shard of shape {want}, "
+                                 f"got {got}")
 
     def attach_state(self, kind: str, local: dict[str, torch.Tensor]) -> None:
         """Attach per-parameter state (fp32 master weights, optimizer moments, ...) given as this
@@ -238,17 +293,19 @@ class CompiledModel:
         return self._pieces(self._states[self._active], full)
 
     def plan_switch(self, source: str, destination: str, algorithm: str = "greedy",
-                    with_grads: bool = False, states: tuple[str, ...] = ()) -> SwitchPlan:
-        """The plan moving weights (and gradients and attached states) from one config's layout to
-        another's. Pure: no communication; every rank computes the same plan; cached per pair."""
+                    with_grads: bool = False, states: tuple[str, ...] = (), weights: bool = True) -> SwitchPlan:
+        """The plan moving weights (unless `weights=False`), gradients and attached states from one
+        config's layout to another's. Pure: no communication; every rank computes the same plan;
+        cached per pair."""
         self._state(source), self._state(destination)
         kinds = ((StateKind.GRAD,) if with_grads else ()) + tuple(states)
 
         def moves():
-            src, dst = self._layouts(source, kinds), self._layouts(destination, kinds)
+            src, dst = self._layouts(source, kinds, weights), self._layouts(destination, kinds, weights)
             return [TensorMove(n, tuple(src[n].global_shape), self._itemsize(n), src[n], dst[n]) for n in src]
 
-        return self._plans.get((source, kinds), (destination, kinds), moves, self.topology, algorithm)
+        return self._plans.get((source, kinds, weights), (destination, kinds, weights), moves, self.topology,
+                               algorithm)
 
     def plan_order(self, names, base: str | None = None) -> OrderPlan:
         """The cheapest cycle through `names` (from and back to `base`, default the first), priced by
@@ -339,7 +396,9 @@ class CompiledModel:
         self._grads = None
 
     def set_local_params(self, local: dict[str, torch.Tensor]) -> None:
-        """Replace this rank's parameter shards in the active layout (after an optimizer step)."""
+        """Replace this rank's parameter shards in the active layout (after an optimizer step);
+        a prefetch of the old weights is dropped."""
+        self._take_prefetch(None)
         for n in self._local:  # every parameter; under pp > 1 those of this rank's stage
             if n not in local or tuple(local[n].shape) != tuple(self._local[n].shape):
                 got = tuple(local[n].shape) if n in local else "nothing"
@@ -522,8 +581,9 @@ class CompiledModel:
             return self.grad_dtype or self.logic.param_dtypes[param]
         return self.logic.param_dtypes[param]
 
-    def _layouts(self, name: str, kinds: tuple[str, ...] = ()) -> dict[str, Layout]:
-        """distconfig Layouts of every parameter (and of each state kind, same layout) under `name`."""
+    def _layouts(self, name: str, kinds: tuple[str, ...] = (), weights: bool = True) -> dict[str, Layout]:
+        """distconfig Layouts of every parameter (unless `weights=False`) and of each state kind
+        (same layout) under `name`."""
         st = self._states[name]
         if st.layouts is None and st.full_mesh is not None:
             # pp > 1: a parameter lives only on its stage's (dp, tp) sub-mesh of the (pp, dp, tp) mesh
@@ -543,7 +603,7 @@ class CompiledModel:
                 n: Layout(tuple(self.logic.param_shapes[n]), mesh, tuple(from_torch(p) for p in st.param_specs[n]))
                 for n in self.logic.param_names
             }
-        out = dict(st.layouts)
+        out = dict(st.layouts) if weights else {}
         for kind in kinds:
             out.update({state_key(kind, n): layout for n, layout in st.layouts.items()})
         return out

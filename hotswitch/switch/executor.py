@@ -14,6 +14,8 @@ HotSPa's execution, with an atomic commit:
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -35,9 +37,41 @@ class SwitchStats:
     source: str
     destination: str
     algorithm: str
-    seconds: float
+    seconds: float  # exposed: what the switch call itself took
     bytes_sent: int
     bytes_received: int
+    overlapped_seconds: float = 0.0  # moved in the background (a prefetch) while the source config computed
+
+
+class BackgroundMove:
+    """`execute_plan` in a thread of its own, on a process group of its own (so it never interleaves
+    with the collectives of the ExecGraphs running meanwhile): a prefetch of the next config's weights.
+    `result()` waits for it and returns (new, sent, received), or raises what the move raised."""
+
+    def __init__(self, destination: str, plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, Layout],
+                 dst: dict[str, Layout], rank: int, group, dtypes: dict[str, torch.dtype] | None = None,
+                 device: torch.device | None = None):
+        self.destination = destination
+        self.seconds = 0.0
+        self._out = None
+        self._error: BaseException | None = None
+
+        def run():
+            t0 = time.perf_counter()
+            try:
+                self._out = execute_plan(plan, old, src, dst, rank, group=group, dtypes=dtypes, device=device)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller of result()
+                self._error = e
+            self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name=f"hotswitch-prefetch-{destination}", daemon=True)
+        self._thread.start()
+
+    def result(self) -> tuple[dict[str, torch.Tensor], int, int]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._out
 
 
 _FAULTS: dict[str, set[int] | None] = {}

@@ -37,6 +37,7 @@ from hotswitch.runtime.compiled_model import compile as hs_compile
 from hotswitch.search.auto import auto_configs
 from hotswitch.search.comm import CommProfile, compiled_comm_profile
 from hotswitch.search.space import default_base
+from hotswitch.switch.order import OrderPlan, plan_order
 from hotswitch.switch.state import JOB_STATE, StateKind, state_key
 from hotswitch.train import data as D
 from hotswitch.train.cost_model import Base, BucketDemand, CostModel, Probe, SwitchProbe
@@ -57,8 +58,9 @@ class SwitchReport:
     source: str
     destination: str
     bytes: int  # sent by all ranks together
-    seconds: float  # the slowest rank
+    seconds: float  # exposed: the slowest rank's wait in the switch itself
     with_grads: bool
+    overlapped_seconds: float = 0.0  # the slowest rank's weight move in the background (prefetch)
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,12 @@ class StepReport:
 
     @property
     def switch_seconds(self) -> float:
+        """Exposed switching: what the step waited for (prefetched weights moved meanwhile)."""
         return sum(s.seconds for s in self.switches)
+
+    @property
+    def overlapped_switch_seconds(self) -> float:
+        return sum(s.overlapped_seconds for s in self.switches)
 
     @property
     def tokens_per_second(self) -> float:
@@ -93,7 +100,8 @@ class StepReport:
         buckets = " ".join(f"({b.lengths[0]},{b.lengths[1]}]:{b.config}x{b.micro_batches}" for b in self.buckets)
         return (
             f"step {self.step} loss {self.loss:.4f} tokens {self.tokens} {self.tokens_per_second:,.0f} tok/s "
-            f"step {self.seconds:.3f}s switch {self.switch_seconds:.3f}s ({100 * self.switch_share:.1f}%) {buckets}"
+            f"step {self.seconds:.3f}s switch {self.switch_seconds:.3f}s ({100 * self.switch_share:.1f}%, "
+            f"{self.overlapped_switch_seconds:.3f}s overlapped) {buckets}"
         )
 
 
@@ -136,9 +144,11 @@ class Trainer:
     `micro_batch_tokens` (tokens per data-parallel replica per micro-batch), `compute_dtype`
     (default bfloat16 on GPU, float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks;
     default: off, unless a chosen base needs it to fit the budget, or the search's choice under "auto"),
-    `progress(message)` for long phases, `strict` (default False: an op DTensor cannot shard at
-    some micro-batch shape, e.g. GQA's head regrouping with one row under tp > kv heads, runs
-    replicated with a warning instead of failing; results stay exact), `logic` (the LogicGraph of an
+    `prefetch` (default on: while a config computes, the weights of the step's next config move in
+    the background, within the memory budget), `progress(message)` for long phases, `strict`
+    (default False: an op DTensor cannot shard at some micro-batch shape, e.g. GQA's head
+    regrouping with one row under tp > kv heads, runs replicated with a warning instead of failing;
+    results stay exact), `logic` (the LogicGraph of an
     earlier Trainer of the same model: skips tracing). Call `step` with the same global batch on every rank.
     """
 
@@ -147,7 +157,7 @@ class Trainer:
                  bucket_configs: Sequence[str] | None = None, micro_batch_tokens: int = 2048,
                  compute_dtype: torch.dtype | None = None, zero1: bool | None = None, length_multiple: int = 16,
                  profile_repeats: int = 3, strict: bool = False, topology: Topology | None = None,
-                 progress: Callable[[str], None] | None = None, logic=None):
+                 progress: Callable[[str], None] | None = None, logic=None, prefetch: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.Trainer needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
@@ -191,6 +201,7 @@ class Trainer:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
         self.micro_batch_tokens = micro_batch_tokens
         self.zero1 = bool(zero1)
+        self.prefetch = prefetch
         self.profile_repeats = profile_repeats
         sp_degrees = [c.tp for c in self.configs if c.sp]
         self.length_multiple = math.lcm(length_multiple, *sp_degrees) if sp_degrees else length_multiple
@@ -266,19 +277,24 @@ class Trainer:
         self._phase("compiled")
 
         t_step = time.perf_counter()
-        order = self.cm.plan_order(
-            sorted(set(chosen) | {self.base}, key=[c.name for c in self.configs].index), base=self.base
-        )
+        order = self._step_order(frozenset(chosen), self.base)
         visits = list(order.order[1:]) + [self.base]
         loss = 0.0
         bucket_seconds = [0.0] * len(buckets)
         bucket_micro = [0] * len(buckets)
         switches = []
-        for config in visits:
+        # the base's weights do not change before the optimizer step: kept, the step's way back moves
+        # only the gradients
+        base_weights = self.cm.local_params
+        for i, config in enumerate(visits):
             if config != self.cm.active:
                 with_grads = self.cm.local_grads is not None
-                stats = self.cm.switch(config)
-                switches.append((stats.source, stats.destination, stats.bytes_sent, stats.seconds, with_grads))
+                stats = self.cm.switch(config, weights=base_weights if config == self.base else None)
+                switches.append((stats.source, stats.destination, stats.bytes_sent, stats.seconds, with_grads,
+                                 stats.overlapped_seconds))
+            following = visits[i + 1] if i + 1 < len(visits) else self.base
+            if following not in (config, self.base) and self._may_prefetch(config, following, buckets, chosen):
+                self.cm.prefetch(following)
             for k, bucket in enumerate(buckets):
                 if chosen[k] != config:
                     continue
@@ -300,7 +316,8 @@ class Trainer:
         self.step_count += 1
 
         # one agreement so every rank reports the same numbers: slowest rank's times, all ranks' bytes
-        times = comm_tensor([seconds, optimizer_seconds, *bucket_seconds, *(s[3] for s in switches)], torch.float64)
+        times = comm_tensor([seconds, optimizer_seconds, *bucket_seconds, *(s[3] for s in switches),
+                             *(s[5] for s in switches)], torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         sent = comm_tensor([s[2] for s in switches] or [0], torch.float64)
         dist.all_reduce(sent)
@@ -325,7 +342,8 @@ class Trainer:
                 for k, b in enumerate(buckets)
             ),
             switches=tuple(
-                SwitchReport(s[0], s[1], int(sent[i]), times[2 + nb + i], s[4]) for i, s in enumerate(switches)
+                SwitchReport(s[0], s[1], int(sent[i]), times[2 + nb + i], s[4], times[2 + nb + len(switches) + i])
+                for i, s in enumerate(switches)
             ),
             profile_seconds=profile_seconds,
             compile_seconds=compile_seconds,
@@ -515,23 +533,46 @@ class Trainer:
         return Probe(config.name, length, rows, float(seconds.item()), peak, state)
 
     def state_bytes(self, name: str, base: Base | None = None) -> int:
-        """Resident bytes per rank under config `name` (the largest over ranks): compute weights and
-        fp32 gradient accumulators; in the base (`base`, default this Trainer's) also fp32 masters
-        (unless they are the weights) and AdamW's two moments (divided over dp ranks with ZeRO-1)."""
+        """Resident bytes per rank while config `name` runs (the largest over ranks): its compute
+        weights and fp32 gradient accumulators, plus what the base (`base`, default this Trainer's)
+        keeps throughout the step in its own layout: AdamW's two moments and the fp32 masters (split
+        over the base's dp ranks with ZeRO-1; with fp32 compute and no ZeRO-1 the masters are the
+        base's weights), and away from the base its compute weights (the step's way back reuses
+        them)."""
         base = base or Base(self.base, self.zero1)
-        config = self.config(name)
+        zero1 = base.zero1 and self.config(base.config).dp > 1
+        split = self.config(base.config).dp if zero1 else 1
+        masters_are_weights = self.compute_dtype == torch.float32 and not zero1
+        optimizer = (2 * 4 + (0 if masters_are_weights else 4)) / split
+        kept_weights = 0 if name == base.config else (4 if masters_are_weights else self.compute_dtype.itemsize)
         itemsize = self.compute_dtype.itemsize
+        here, there = self.cm.layouts(name), self.cm.layouts(base.config)
+        per_device = [0.0] * dist.get_world_size()
+        for n, layout in here.items():
+            for d in range(len(per_device)):
+                per_device[d] += layout.numel(d) * (itemsize + 4) + there[n].numel(d) * (optimizer + kept_weights)
+        return int(max(per_device))
+
+    def weight_bytes(self, name: str) -> int:
+        """This config's compute weights per rank (the largest over ranks): what a prefetch into it adds."""
         per_device = [0] * dist.get_world_size()
         for layout in self.cm.layouts(name).values():
             for d in range(len(per_device)):
-                n = layout.numel(d)
-                extra = 0
-                if name == base.config:
-                    zero1 = base.zero1 and config.dp > 1
-                    optimizer = 2 * 4 + (4 if self.compute_dtype != torch.float32 or zero1 else 0)
-                    extra = optimizer / (config.dp if zero1 else 1)
-                per_device[d] += int(n * (itemsize + 4 + extra))
+                per_device[d] += layout.numel(d) * self.compute_dtype.itemsize
         return max(per_device)
+
+    def _may_prefetch(self, config: str, following: str, buckets, chosen: list[str]) -> bool:
+        """Whether `following`'s weights may move while `config` runs its buckets: asked for, and
+        within the budget with both layouts of the weights held (every bucket's profiled peak)."""
+        if not self.prefetch:
+            return False
+        budget = self.memory_budget_bytes
+        if budget is None:
+            return True
+        extra = self.weight_bytes(following)
+        state = self.state_bytes(config)
+        probes = [self.cost.probes.get((config, b.high)) for k, b in enumerate(buckets) if chosen[k] == config]
+        return all(p is not None and p.peak_with(state) + extra <= budget for p in probes)
 
     # ------------------------------------------------------------------------------------ internals
     def config(self, name: str) -> DistConfig:
@@ -545,9 +586,21 @@ class Trainer:
         return sum(self.cm.compile_seconds(c.name) for c in self.configs)
 
     def _cycle_seconds(self, used: frozenset[str], base: str | None = None) -> float:
-        base = base or self.base
+        return self._step_order(used, base or self.base).cost
+
+    def _step_order(self, used: frozenset[str], base: str) -> OrderPlan:
+        """The step's cheapest cycle through `used` from `base`, priced by its exposed switching: the
+        first switch moves the weights, the others the gradients (the weights were prefetched, or on
+        the way back kept)."""
         names = sorted(used | {base}, key=[c.name for c in self.configs].index)
-        return self.cm.plan_order(names, base=base).cost
+
+        def price(a: str, b: str, first: bool) -> float:
+            if first:
+                return self.cm.plan_switch(a, b).estimated_seconds
+            hidden = b == base or self.prefetch
+            return self.cm.plan_switch(a, b, with_grads=True, weights=not hidden).estimated_seconds
+
+        return plan_order(names, price, base=base)
 
     def _choose(self, demands: list[BucketDemand], fixed: list[str] | None = None) -> list[str]:
         """The config of each bucket (`fixed`: given), and on the first step the base: the
