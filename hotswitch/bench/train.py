@@ -45,7 +45,8 @@ def run(opts: TrainOptions, budget_fraction: float, json_path: str) -> int:
         h, b = out["hot"]["summary"], out["static"][out["best_static"]]["summary"]
         print(f"\nhot switching {h['tokens_per_second']:,.0f} tokens/s vs the best static config that fits "
               f"({out['best_static']}) {b['tokens_per_second']:,.0f} tokens/s: ratio {out['ratio']:.2f}x; "
-              f"switching takes {100 * h['switch_share']:.1f}% of the hot step time")
+              f"exposed switching takes {100 * h['switch_share']:.1f}% of the hot step time "
+              f"({h['switch_seconds']:.3f} s; {h['overlapped_switch_seconds']:.3f} s more moved behind compute)")
     write_json(json_path, out)
     print(f"{'' if json_path == '-' else f'wrote {json_path} '}(total {out['seconds']:.0f} s)")
     return 0

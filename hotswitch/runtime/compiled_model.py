@@ -395,6 +395,11 @@ class CompiledModel:
     def zero_grad(self) -> None:
         self._grads = None
 
+    def accumulate_grads(self, grads: dict[str, torch.Tensor]) -> None:
+        """Add gradients given as this rank's shards in the active layout (ones set aside earlier
+        in the same step, say) to the accumulated ones."""
+        self._add_grads(grads, 1.0)
+
     def set_local_params(self, local: dict[str, torch.Tensor]) -> None:
         """Replace this rank's parameter shards in the active layout (after an optimizer step);
         a prefetch of the old weights is dropped."""

@@ -286,8 +286,17 @@ class Trainer:
         # the base's weights do not change before the optimizer step: kept, the step's way back moves
         # only the gradients
         base_weights = self.cm.local_params
+        # the base's own buckets run first, while the next config's weights move behind them; their
+        # gradients wait in the base's layout and are added to the others' on the way back
+        base_first = self.base in chosen and len(visits) > 1
+        if base_first:
+            visits = [self.base, *visits]
+        base_grads, ran = None, set()
         for i, config in enumerate(visits):
             if config != self.cm.active:
+                if base_first and self.cm.active == self.base and base_grads is None:
+                    base_grads = self.cm.local_grads
+                    self.cm.zero_grad()  # they stay here: nothing to move on the way out
                 with_grads = self.cm.local_grads is not None
                 stats = self.cm.switch(config, weights=base_weights if config == self.base else None)
                 switches.append((stats.source, stats.destination, stats.bytes_sent, stats.seconds, with_grads,
@@ -295,6 +304,9 @@ class Trainer:
             following = visits[i + 1] if i + 1 < len(visits) else self.base
             if following not in (config, self.base) and self._may_prefetch(config, following, buckets, chosen):
                 self.cm.prefetch(following)
+            if config in ran:
+                continue
+            ran.add(config)
             for k, bucket in enumerate(buckets):
                 if chosen[k] != config:
                     continue
@@ -306,6 +318,8 @@ class Trainer:
                     loss += float(self.cm.forward_backward(*local, grad_scale=weight)) * weight
                 synchronize(self.cm.device)
                 bucket_seconds[k] += time.perf_counter() - t0
+        if base_grads is not None:
+            self.cm.accumulate_grads(base_grads)
         assert self.cm.active == self.base
         self._phase("update")
         t0 = time.perf_counter()
@@ -538,19 +552,20 @@ class Trainer:
         keeps throughout the step in its own layout: AdamW's two moments and the fp32 masters (split
         over the base's dp ranks with ZeRO-1; with fp32 compute and no ZeRO-1 the masters are the
         base's weights), and away from the base its compute weights (the step's way back reuses
-        them)."""
+        them) and the fp32 gradients of its own buckets (see `step`)."""
         base = base or Base(self.base, self.zero1)
         zero1 = base.zero1 and self.config(base.config).dp > 1
         split = self.config(base.config).dp if zero1 else 1
         masters_are_weights = self.compute_dtype == torch.float32 and not zero1
         optimizer = (2 * 4 + (0 if masters_are_weights else 4)) / split
-        kept_weights = 0 if name == base.config else (4 if masters_are_weights else self.compute_dtype.itemsize)
+        # away from the base: its compute weights (for the way back) and its buckets' fp32 gradients
+        kept = 0 if name == base.config else (0 if masters_are_weights else self.compute_dtype.itemsize) + 4
         itemsize = self.compute_dtype.itemsize
         here, there = self.cm.layouts(name), self.cm.layouts(base.config)
         per_device = [0.0] * dist.get_world_size()
         for n, layout in here.items():
             for d in range(len(per_device)):
-                per_device[d] += layout.numel(d) * (itemsize + 4) + there[n].numel(d) * (optimizer + kept_weights)
+                per_device[d] += layout.numel(d) * (itemsize + 4) + there[n].numel(d) * (optimizer + kept)
         return int(max(per_device))
 
     def weight_bytes(self, name: str) -> int:
@@ -590,13 +605,13 @@ class Trainer:
 
     def _step_order(self, used: frozenset[str], base: str) -> OrderPlan:
         """The step's cheapest cycle through `used` from `base`, priced by its exposed switching: the
-        first switch moves the weights, the others the gradients (the weights were prefetched, or on
-        the way back kept)."""
+        first switch moves the weights (prefetched behind the base's own buckets when it has some),
+        the others the gradients (the weights were prefetched, or on the way back kept)."""
         names = sorted(used | {base}, key=[c.name for c in self.configs].index)
 
         def price(a: str, b: str, first: bool) -> float:
-            if first:
-                return self.cm.plan_switch(a, b).estimated_seconds
+            if first:  # hidden behind the base's own buckets when it has some (see `step`)
+                return 0.0 if self.prefetch and base in used else self.cm.plan_switch(a, b).estimated_seconds
             hidden = b == base or self.prefetch
             return self.cm.plan_switch(a, b, with_grads=True, weights=not hidden).estimated_seconds
 
