@@ -15,7 +15,8 @@ other on small cases (same transfers, same bytes, same estimates and bounds):
   slice) that no device of a node owns and several of its receivers need goes to one of them (the
   least inter-node receive load so far, ties lowest id; slices needed by one receiver of the node
   counted first, then shared ones in the order of their first item), who forwards it to the others
-  in a second stage; only that receiver's item chooses a sender.
+  in a second stage; only that receiver's item chooses a sender. The relays are kept only when the
+  plan's estimate is lower with them.
 - fcfs: the lowest-id owner. round_robin: the k-th receiver lacking a (tensor, slice), by id, takes
   the slice's owners in turn (owner k mod n). gather: every receiver gets every source box it does
   not own, whole, from the box's lowest-id owner.
@@ -117,11 +118,27 @@ def plan_switch(moves: Sequence[TensorMove], topology: Topology, algorithm: str 
                     if r not in devs:
                         gather.append(Transfer(m.name, devs[0], r, box, _volume(box) * m.itemsize))
 
+    def build(forwarded: dict[int, int]) -> ReferencePlan:
+        return _plan(moves, topology, algorithm, items, local_copies, gather, lower_bound_bytes, forwarded)
+
+    forwarded = _relays(items, node, topology.num_devices) if algorithm == "greedy" else {}
+    if not forwarded:
+        return build({})
+    plain, relayed = build({}), build(forwarded)
+    return relayed if relayed.estimated_seconds < plain.estimated_seconds else plain
+
+
+def _plan(moves, topology: Topology, algorithm: str, items: list[_Item], local_copies: list[Transfer],
+          gather: list[Transfer], lower_bound_bytes: int, forwarded: dict[int, int]) -> ReferencePlan:
+    dpn = topology.devices_per_node
+
+    def node(d: int) -> int:
+        return d // dpn
+
     relays: list[Transfer] = []
     if algorithm == "gather":
         transfers = gather
     else:
-        forwarded = _relays(items, node, topology.num_devices) if algorithm == "greedy" else {}
         direct = [it for i, it in enumerate(items) if i not in forwarded]
         senders = _choose(direct, algorithm, node, topology.num_devices)
         transfers = [Transfer(moves[it.tensor].name, s, it.recv, it.box, it.nbytes) for it, s in zip(direct, senders)]

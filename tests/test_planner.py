@@ -366,3 +366,23 @@ def test_plan_reports_slices_no_survivor_holds():
     with pytest.raises(ValueError, match="unavailable devices"):  # a gone device cannot receive
         plan_switch(_lost_device_moves((2, 2), (Replicate(), Shard(1)), [0, 1, 2, 3], (4,), (Replicate(),)),
                     Topology(4, 4), unavailable={3})
+
+
+def test_relays_cross_each_node_link_once_when_that_is_faster():
+    """tp4 -> replicated on 2 nodes of 2: every device needs both quarters of the other node. With
+    a slower node link each quarter crosses it once, to one receiver, which forwards it inside the
+    node; with equal links the second stage would cost what it saves, and the plan has none."""
+    mesh = Mesh.from_shape((4,), ("tp",))
+    move = TensorMove("w", (8, 6), 4, Layout((8, 6), mesh, [Shard(0)]), Layout((8, 6), mesh, [Replicate()]))
+    values = {"w": np.arange(48).reshape(8, 6)}
+    slow_link = plan_switch([move], Topology(4, 2, 100e9, 10e9))
+    plain = plan_switch([move], Topology(4, 2, 100e9, 10e9), "fcfs")
+    assert slow_link.stages == 2 and len(slow_link.relays) == 4  # one forward per remote quarter per node
+    assert slow_link.inter_node_bytes == slow_link.inter_node_lower_bound_bytes == plain.inter_node_bytes // 2
+    assert slow_link.bytes_moved == plain.bytes_moved == slow_link.lower_bound_bytes
+    assert slow_link.estimated_seconds < plain.estimated_seconds
+    assert all(t.src_device // 2 == t.dst_device // 2 for t in slow_link.relays)
+    check_plan(slow_link, [move], values)
+    even = plan_switch([move], Topology(4, 2, 10e9, 10e9))
+    assert even.stages == 1 and not even.relays and even.inter_node_bytes == plain.inter_node_bytes
+    check_plan(even, [move], values)

@@ -6,6 +6,12 @@ bytes, max per-device send, lower bound, estimated and measured seconds, median 
 and two outside baselines measured the same way: DTensor `redistribute` (pairs on one mesh) and a
 torch.distributed.checkpoint save + load that reshards on load (to /dev/shm when it exists).
 
+Between two pp = 1 configs a switch is also measured as a training step meets it, after one
+forward + backward of the source config (`compute`): weights and accumulated gradients switched
+plainly ("greedy+grads"), and with the weights prefetched while that forward + backward ran
+("greedy+grads prefetched": its time is the exposed part, the gradients' move and the wait for the
+prefetch; `overlapped_seconds` is what moved behind the compute).
+
 Pipeline configs (pp > 1) are among the defaults: a switch across pipeline degrees moves whole layers
 between devices (their parameters live only on their stage's devices) through the same planner and
 executor. DTensor cannot redistribute across meshes, so it has no row for pairs with a pp > 1 side;
@@ -44,7 +50,8 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def worker(rank: int, model_name: str, config_specs, repeats: int, batch: int, seq: int) -> dict | None:
+def worker(rank: int, model_name: str, config_specs, repeats: int, batch: int, seq: int,
+           compute: bool = True) -> dict | None:
     import hotswitch as hs
     from hotswitch.distconfig import DistConfig
     from hotswitch.models import build_model
@@ -79,6 +86,8 @@ def worker(rank: int, model_name: str, config_specs, repeats: int, batch: int, s
                 rows.append(
                     {"from": a, "to": b, "method": algorithm, "measured_seconds": seconds, **_plan_numbers(plan)}
                 )
+            if compute and all(c.pp == 1 for c in configs if c.name in (a, b)):
+                rows += _behind_compute(cm, a, b, (ids, ids), repeats)
             rows += _baselines(cm, a, b, repeats)
     if rank == 0:
         return {
@@ -91,6 +100,36 @@ def worker(rank: int, model_name: str, config_specs, repeats: int, batch: int, s
             "rows": rows,
         }
     return None
+
+
+def _behind_compute(cm, a: str, b: str, batch: tuple, repeats: int) -> list[dict]:
+    """A step's switch from `a` to `b` after a forward + backward under `a`: plain, and with the
+    weights prefetched during that forward + backward (exposed and overlapped seconds, slowest rank)."""
+    out = []
+    for prefetch in (False, True):
+        exposed, overlapped, computing = [], [], []
+        for i in range(repeats + 1):  # the first compiles a's ExecGraph and warms the plans up
+            cm.switch(a)
+            cm.zero_grad()
+            local = cm.shard_inputs(*batch)
+            dist.barrier()
+            if prefetch:
+                cm.prefetch(b)
+            t0 = time.perf_counter()
+            cm.forward_backward(*local)
+            t1 = time.perf_counter()
+            stats = cm.switch(b)
+            t2 = time.perf_counter()
+            if i:
+                computing.append(_max_over_ranks(t1 - t0))
+                exposed.append(_max_over_ranks(t2 - t1))
+                overlapped.append(_max_over_ranks(stats.overlapped_seconds))
+        cm.zero_grad()
+        out.append({"from": a, "to": b, "method": "greedy+grads prefetched" if prefetch else "greedy+grads",
+                    "measured_seconds": statistics.median(exposed),
+                    "overlapped_seconds": statistics.median(overlapped),
+                    "compute_seconds": statistics.median(computing)})
+    return out
 
 
 def _max_over_ranks(seconds: float) -> float:
@@ -153,6 +192,8 @@ def summarize(result: dict) -> dict:
     greedy = by_method["greedy"]
     out = {}
     for method, times in by_method.items():
+        if method.startswith("greedy+grads"):  # compared with the plain switch of gradients below
+            continue
         pairs = list(times)
         g = [greedy[p] for p in pairs]
         m = [times[p] for p in pairs]
@@ -167,7 +208,7 @@ def format_table(result: dict) -> str:
         f"model {result['model']} ({result['parameters'] / 1e6:.1f}M parameters), {result['world_size']} processes, "
         f"{result['devices_per_node']} per node, median of {result['repeats']}; network {result.get('network', '?')}",
         f"{'from':>7} {'to':>7} {'method':>20} {'MB moved':>9} {'inter MB':>9} {'max send':>9} {'bound MB':>9} "
-        f"{'est ms':>8} {'meas ms':>8}",
+        f"{'est ms':>8} {'meas ms':>8} {'behind compute ms':>18}",
     ]
     mb = lambda x: f"{x / 1e6:9.2f}" if x is not None else f"{'-':>9}"  # noqa: E731
     for r in result["rows"]:
@@ -175,6 +216,7 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{r['from']:>7} {r['to']:>7} {r['method']:>20} {mb(r.get('bytes_moved'))} {mb(r.get('inter_node_bytes'))} "
             f"{mb(r.get('max_send_bytes'))} {mb(r.get('lower_bound_bytes'))} {est} {r['measured_seconds'] * 1e3:8.2f}"
+            + (f" {r['overlapped_seconds'] * 1e3:18.2f}" if "overlapped_seconds" in r else "")
         )
     lines.append("")
     lines.append("over the pairs each method covers, greedy / method (below 1: greedy is faster):")
@@ -185,6 +227,16 @@ def format_table(result: dict) -> str:
             f"  {s['greedy_over_method_median']:22.2f}"
             f"  {s['total_seconds'] * 1e3:9.1f}  {s['greedy_over_method_total']:19.2f}"
         )
+    plain = {(r["from"], r["to"]): r for r in result["rows"] if r["method"] == "greedy+grads"}
+    behind = {(r["from"], r["to"]): r for r in result["rows"] if r["method"] == "greedy+grads prefetched"}
+    if behind:
+        ratio = statistics.median(behind[p]["measured_seconds"] / plain[p]["measured_seconds"] for p in behind)
+        lines.append("")
+        lines.append(f"a step's switch (weights + gradients) after a forward + backward, over {len(behind)} pairs: "
+                     f"exposed with the weights prefetched / plain {ratio:.2f} (median); "
+                     f"{sum(r['overlapped_seconds'] for r in behind.values()) * 1e3:.1f} ms moved behind compute "
+                     f"in all, against {sum(r['measured_seconds'] for r in plain.values()) * 1e3:.1f} ms of plain "
+                     "switches")
     return "\n".join(lines)
 
 
@@ -214,13 +266,13 @@ def plot(result: dict, path: str) -> None:
 
 
 def run(world_size=4, devices_per_node=2, model="gpt2-23m", configs=None, repeats=5, batch=4, seq=64,
-        json_path=None, png_path=None, emulate_nodes=False, inter_node_gbit=1.0) -> dict:
+        json_path=None, png_path=None, emulate_nodes=False, inter_node_gbit=1.0, compute=True) -> dict:
     """With `emulate_nodes`, each node's ranks run in their own network namespace and inter-node
     traffic crosses links shaped to `inter_node_gbit` (hotswitch.netns); else all is loopback."""
     from hotswitch.distributed.launch import launch
 
     configs = default_configs(world_size) if configs is None else configs
-    args = (worker, world_size, model, list(configs), repeats, batch, seq)
+    args = (worker, world_size, model, list(configs), repeats, batch, seq, compute)
     if emulate_nodes:
         from hotswitch.distributed.netns import EmulatedNodes
 

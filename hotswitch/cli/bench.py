@@ -41,6 +41,8 @@ def add_parser(subparsers) -> None:
     )
     q.add_argument("--inter-node-gbit", type=float, default=1.0, help="inter-node link rate in Gbit/s with "
                    "--emulate-nodes")
+    q.add_argument("--no-compute", dest="compute", action="store_false", help="skip the switches measured after a "
+                   "forward + backward (plain, and with the weights prefetched behind it)")
     add_json_argument(q, "bench_switch.json", "the results")
     q.add_argument("--plot", default="bench_switch.png", metavar="PATH", help="where to draw the chart")
     q.set_defaults(run=run_bench_switch)
@@ -136,7 +138,8 @@ def run_bench_switch(args) -> int:
     )
     result = bench_switch.run(world_size=w, devices_per_node=args.devices_per_node, model=args.model, configs=configs,
                               repeats=args.repeats, json_path=args.json, png_path=args.plot,
-                              emulate_nodes=args.emulate_nodes, inter_node_gbit=args.inter_node_gbit)
+                              emulate_nodes=args.emulate_nodes, inter_node_gbit=args.inter_node_gbit,
+                              compute=args.compute)
     print(bench_switch.format_table(result))
     print(f"wrote {args.json} and {args.plot}")
     return 0

@@ -26,7 +26,8 @@ tensors and over the greedy's choices.
   lowest id; receivers that need a slice alone there are counted first, then the shared slices in
   item order of their first receiver), which forwards it to the others inside the node in a second
   stage of the switch (`relays`), from its new shard. Only the relay's item goes through the
-  sender choice above.
+  sender choice above. The relays are kept only when they make the plan's estimate faster (they
+  save node-link bytes but add a stage); otherwise the plan is the one without them.
 - `fcfs`: the owner with the lowest device id.
 - `round_robin`: per (tensor, slice), the receivers that lack it (by device id) take its owners
   (by device id) in turn.
@@ -748,12 +749,23 @@ class _Planner:
 
     def run(self, t0: float) -> SwitchPlan:
         it = self.items
+        moved = ~it["local"]
+        no_relay = np.full(int(moved.sum()), -1, np.int64)
+        if self.algorithm != "greedy":
+            return self._assemble(no_relay, t0)
+        relay = self._relays(it["box"][moved], it["recv"][moved], it["nbytes"][moved], it["key"][moved])
+        if not np.any(relay >= 0):
+            return self._assemble(no_relay, t0)
+        # a relay saves node-link bytes but adds a stage: kept only where the plan is faster with it
+        plain, relayed = self._assemble(no_relay, t0), self._assemble(relay, t0)
+        return relayed if relayed.estimated_seconds < plain.estimated_seconds else plain
+
+    def _assemble(self, relay: np.ndarray, t0: float) -> SwitchPlan:
+        """The plan with the moved items of `relay` >= 0 forwarded from that receiver (stage 1)."""
+        it = self.items
         local = it["local"]
         moved = ~local
         box, recv, nbytes, key = it["box"][moved], it["recv"][moved], it["nbytes"][moved], it["key"][moved]
-        relay = np.full(len(box), -1, np.int64)  # per moved item: the receiver it is forwarded from (-1: none)
-        if self.algorithm == "greedy":
-            relay = self._relays(box, recv, nbytes, key)
         direct = relay < 0
         if self.algorithm == "greedy":  # only items that do not arrive by relay choose a sender
             sender = self._greedy(box[direct], recv[direct], nbytes[direct])
