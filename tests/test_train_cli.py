@@ -38,7 +38,8 @@ def test_train_from_jsonl_prints_steps_and_saves_the_final_state(tmp_path):
     )
     assert [int(s[0]) for s in steps] == [1, 2], out
     assert all(math.isfinite(float(s[1])) and int(s[2]) > 0 for s in steps)
-    assert re.search(r"^2 steps: [\d,]+ tokens/s, switching [\d.]+ s = [\d.]+% of step time", out, re.M), out
+    assert re.search(r"^2 steps: [\d,]+ tokens/s, exposed switching [\d.]+ s = [\d.]+% of step time "
+                     r"\([\d.]+ s overlapped\)", out, re.M), out
     state = torch.load(final)
     assert set(state) == set(build_model("gpt-tiny").state_dict())  # the model's own keys, full tensors
     assert all(torch.isfinite(v).all() for v in state.values())
