@@ -11,7 +11,8 @@ from the frontiers: one config per length, minimising the expected step time
       priced by the planner: `switch.planner.plan_switch` over `cluster.switch_moves`, scaled by the
       calibrated switch rates; the first switch of a step moves weights only, the others weights
       and gradients)
-    + the optimizer's step in the base config (the most model-parallel one chosen, the Trainer's rule),
+    + the optimizer's step in the base config (each config used is tried as the base, as the Trainer
+      does; the most model-parallel one wins ties),
 
 within the memory budget: each config's peak at its lengths plus the optimizer state that the base
 keeps resident all step, whole or split over the base's dp ranks (ZeRO-1: less memory, an
@@ -398,19 +399,20 @@ class _Chooser:
             if best is not None and compute >= best.total:
                 break  # switching and the optimizer cost >= 0: nothing later can win
             used = list(dict.fromkeys(e.config for e in es))
-            base = default_base(used)
-            cycle = None
-            for zero1 in self.zero1_options(base):
-                optimizer = self._optimizer_bytes(base, pareto) // (base.dp if zero1 else 1)
-                if not all(_fits(e.peak_bytes + optimizer, self.budget) for e in es):
-                    continue  # the base's optimizer state does not leave room for some length's config
-                if cycle is None:
-                    cycle = plan_order([c.name for c in used], self.switch_seconds, base=base.name).cost
-                step = optimizer_seconds(self.workload, base, self.topology, self.rates, zero1=zero1)
-                choice = _Choice(compute, cycle, step, {length: e.name for length, e in zip(lengths, es)},
-                                 base.name, zero1)
-                if best is None or choice.total < best.total - 1e-15:
-                    best = choice
+            first = default_base(used)  # wins ties: the least optimizer memory
+            for base in [first, *(c for c in used if c != first)]:
+                cycle = None
+                for zero1 in self.zero1_options(base):
+                    optimizer = self._optimizer_bytes(base, pareto) // (base.dp if zero1 else 1)
+                    if not all(_fits(e.peak_bytes + optimizer, self.budget) for e in es):
+                        continue  # the base's optimizer state does not leave room for some length's config
+                    if cycle is None:
+                        cycle = plan_order([c.name for c in used], self.switch_seconds, base=base.name).cost
+                    step = optimizer_seconds(self.workload, base, self.topology, self.rates, zero1=zero1)
+                    choice = _Choice(compute, cycle, step, {length: e.name for length, e in zip(lengths, es)},
+                                     base.name, zero1)
+                    if best is None or choice.total < best.total - 1e-15:
+                        best = choice
         if best is None:
             hint = "raise the budget or use ZeRO-1 (zero1=True)" if self.zero1 is False else "raise the budget"
             raise NoConfigFits(
