@@ -72,9 +72,12 @@ def check_unpicklable():
     return lambda: None
 
 
-def check_skips():
-    """Always skips: what the harness is checked on here is that a check's skip reaches its test."""
-    pytest.skip("a check that skips on purpose")
+def check_needs_a_gpu():
+    """A GPU-only check, as the harness runs them: without a GPU it skips, and that skip must reach
+    its test; with one it runs."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return float(torch.ones(2, device="cuda").sum())
 
 
 # ----------------------------------------------------------------------- world size 4, fixture
@@ -87,7 +90,7 @@ CHECKS_4 = [
     check_desync,
     check_after_failures,
     check_unpicklable,
-    check_skips,
+    check_needs_a_gpu,
 ]
 results = dist_fixture(4, CHECKS_4, env={"HARNESS_EXTRA": "yes"})
 
@@ -163,11 +166,15 @@ def test_unpicklable_value_fails_the_check(results):
     assert "(same error)" in r.report()  # identical tracebacks are printed once
 
 
-def test_skip_in_a_check_skips_the_test(results):
-    r = results["check_skips"]
-    assert r.ok and r.skipped == "a check that skips on purpose" and r.status == ["skip"] * 4
-    assert r.errors == [None] * 4
-    with pytest.raises(pytest.skip.Exception, match="a check that skips on purpose"):
+def test_a_skip_in_a_check_reaches_its_test(results):
+    r = results["check_needs_a_gpu"]
+    assert r.ok and r.errors == [None] * 4
+    if torch.cuda.is_available():  # it ran: nothing skipped
+        assert not r.skipped and r.values == [2.0] * 4
+        assert r.raise_if_failed() == [2.0] * 4
+        return
+    assert r.skipped == "needs a CUDA GPU" and r.status == ["skip"] * 4
+    with pytest.raises(pytest.skip.Exception, match="needs a CUDA GPU"):
         r.raise_if_failed()
 
 
