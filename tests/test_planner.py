@@ -73,8 +73,8 @@ def apply_plan(plan: SwitchPlan, moves, shards: dict[str, dict[int, np.ndarray]]
             assert peer != r and peer // plan.topology.devices_per_node == r // plan.topology.devices_per_node
             assert plan.receives(peer, stage=1)[r] == transfers
             for t in transfers:
-                assert count[(t.tensor, r)][t.forward_local(by_name[t.tensor].dst)].min() == 1  # arrived in stage 0
-                write(t, out[(t.tensor, r)][t.forward_local(by_name[t.tensor].dst)])
+                assert count[(t.tensor, r)][t.src_local(by_name[t.tensor].dst)].min() == 1  # arrived in stage 0
+                write(t, out[(t.tensor, r)][t.src_local(by_name[t.tensor].dst)])
                 sent += 1
     assert sent == len(plan.transfers) + len(plan.relays)
     result = {m.name: {d: out[(m.name, d)] for d in m.dst.mesh.devices} for m in moves}

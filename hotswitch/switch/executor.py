@@ -175,7 +175,7 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
         if plan.stages > 1:  # the relay stage: forward from the new storage what crossed the node link once
             for peer, transfers in plan.by_peer(rank, stage=1).items():
                 for dtype, group_t in _by_dtype(transfers, new).items():
-                    relay_sends.append((peer, pack([(new[t.tensor], t.forward_local(dst[t.tensor])) for t in group_t],
+                    relay_sends.append((peer, pack([(new[t.tensor], t.src_local(dst[t.tensor])) for t in group_t],
                                                    backend=backend)))
             for peer, transfers in plan.receives(rank, stage=1).items():
                 for dtype, group_t in _by_dtype(transfers, new).items():

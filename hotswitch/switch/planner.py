@@ -146,18 +146,14 @@ class Transfer:
         return tuple(b - a for a, b in self.box)
 
     def src_local(self, src_layout: Layout) -> tuple[slice, ...]:
-        """Where the box sits in the sender's local shard of `src_layout`."""
+        """Where the box sits in the sender's local shard of `src_layout` (a relay's sender forwards
+        from its new shard: pass the destination layout)."""
         own = src_layout.box(self.src_device)
         if any(a < oa or b > ob for (a, b), (oa, ob) in zip(self.box, own)):
             raise ValueError(
                 f"transfer of {self.tensor!r} box {self.box} is not inside device {self.src_device}'s "
                 f"source box {own}; pass the source layout this plan was made for"
             )
-        return tuple(slice(a - oa, b - oa) for (a, b), (oa, _) in zip(self.box, own))
-
-    def forward_local(self, dst_layout: Layout) -> tuple[slice, ...]:
-        """A relayed box (stage 1): where it sits in the forwarding device's new shard of `dst_layout`."""
-        own = dst_layout.box(self.src_device)
         return tuple(slice(a - oa, b - oa) for (a, b), (oa, _) in zip(self.box, own))
 
     def dst_local(self, dst_layout: Layout) -> tuple[slice, ...]:
@@ -751,16 +747,33 @@ class _Planner:
         it = self.items
         moved = ~it["local"]
         no_relay = np.full(int(moved.sum()), -1, np.int64)
+        bounds = self._bounds()
         if self.algorithm != "greedy":
-            return self._assemble(no_relay, t0)
+            return self._assemble(no_relay, bounds, t0)
         relay = self._relays(it["box"][moved], it["recv"][moved], it["nbytes"][moved], it["key"][moved])
         if not np.any(relay >= 0):
-            return self._assemble(no_relay, t0)
+            return self._assemble(no_relay, bounds, t0)
         # a relay saves node-link bytes but adds a stage: kept only where the plan is faster with it
-        plain, relayed = self._assemble(no_relay, t0), self._assemble(relay, t0)
+        plain, relayed = self._assemble(no_relay, bounds, t0), self._assemble(relay, bounds, t0)
         return relayed if relayed.estimated_seconds < plain.estimated_seconds else plain
 
-    def _assemble(self, relay: np.ndarray, t0: float) -> SwitchPlan:
+    def _bounds(self) -> dict:
+        """The algorithm-independent lower bounds of the module doc, as SwitchPlan fields."""
+        it = self.items
+        moved = ~it["local"]
+        box, recv, nbytes, key = it["box"][moved], it["recv"][moved], it["nbytes"][moved], it["key"][moved]
+        _, _, cls = self._candidates(box, recv)
+        inter = cls == 1
+        _, first = np.unique(key[inter] * self.topology.num_nodes + recv[inter] // self.topology.devices_per_node,
+                             return_index=True)
+        return dict(
+            lower_bound_bytes=int(sum(p.lower_bound_elems * m.itemsize
+                                      for m, p in zip(self.moves, (self.pairs[i] for i in self.pair_of)))),
+            inter_node_lower_bound_bytes=int(nbytes[inter][first].sum()),
+            lower_bound_seconds=self._lower_bound_seconds(box, recv, nbytes, key),
+        )
+
+    def _assemble(self, relay: np.ndarray, bounds: dict, t0: float) -> SwitchPlan:
         """The plan with the moved items of `relay` >= 0 forwarded from that receiver (stage 1)."""
         it = self.items
         local = it["local"]
@@ -804,11 +817,6 @@ class _Planner:
             seconds += float(np.maximum.reduce([stage_loads[0] / bi, stage_loads[1] / be,
                                                 stage_loads[2] / bi, stage_loads[3] / be]).max(initial=0.0))
         send_intra, send_inter, recv_intra, recv_inter = (a + b for a, b in zip(*loads))
-        lower_bound_bytes = sum(p.lower_bound_elems * m.itemsize
-                                for m, p in zip(self.moves, (self.pairs[i] for i in self.pair_of)))
-        _, _, cls = self._candidates(box, recv)
-        inter = cls == 1
-        _, first = np.unique(key[inter] * topo.num_nodes + recv[inter] // dpn, return_index=True)
         return SwitchPlan(
             algorithm=self.algorithm,
             topology=topo,
@@ -824,9 +832,7 @@ class _Planner:
             send_bytes_inter=send_inter,
             recv_bytes_intra=recv_intra,
             recv_bytes_inter=recv_inter,
-            lower_bound_bytes=int(lower_bound_bytes),
-            inter_node_lower_bound_bytes=int(nbytes[inter][first].sum()),
-            lower_bound_seconds=self._lower_bound_seconds(box, recv, nbytes, key),
+            **bounds,
             estimated_seconds=seconds,
             planning_seconds=time.perf_counter() - t0,
         )
