@@ -142,18 +142,9 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
                 continue
             piece = old[t.tensor][t.src_local(src[t.tensor])]
             new[t.tensor][t.dst_local(dst[t.tensor])] = piece[t.piece_local(dst[t.tensor])]
-        built: dict[tuple, torch.Tensor] = {}
-        for peer, transfers in plan.by_peer(rank).items():
-            for dtype, group_t in _by_dtype(transfers, old).items():
-                key = (dtype, tuple((t.tensor, t.box) for t in group_t))
-                if key not in built:  # replicas of a tensor send the same bytes to several peers
-                    built[key] = pack([(old[t.tensor], t.src_local(src[t.tensor])) for t in group_t], backend=backend)
-                sends.append((peer, built[key]))
+        sends = _packed(plan.by_peer(rank), old, src, backend)
         _maybe_fail("pack", rank)
-        for peer, transfers in incoming.items():
-            for dtype, group_t in _by_dtype(transfers, new).items():
-                size = sum(_volume(t) for t in group_t)
-                recvs.append((peer, torch.empty(size, dtype=dtype, device=device), group_t))
+        recvs = _receive_buffers(incoming, new, device)
     except Exception as e:  # noqa: BLE001 - reported to every rank below, then re-raised
         error = e
     moves_data = len(plan.transfer_array) > 0  # same on every rank: the plan is global
@@ -173,14 +164,8 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
             else:
                 unpack(buf, [(new[t.tensor], t.dst_local(dst[t.tensor])) for t in transfers], backend=backend)
         if plan.stages > 1:  # the relay stage: forward from the new storage what crossed the node link once
-            for peer, transfers in plan.by_peer(rank, stage=1).items():
-                for dtype, group_t in _by_dtype(transfers, new).items():
-                    relay_sends.append((peer, pack([(new[t.tensor], t.src_local(dst[t.tensor])) for t in group_t],
-                                                   backend=backend)))
-            for peer, transfers in plan.receives(rank, stage=1).items():
-                for dtype, group_t in _by_dtype(transfers, new).items():
-                    relay_recvs.append((peer, torch.empty(sum(_volume(t) for t in group_t), dtype=dtype,
-                                                          device=device), group_t))
+            relay_sends = _packed(plan.by_peer(rank, stage=1), new, dst, backend)
+            relay_recvs = _receive_buffers(plan.receives(rank, stage=1), new, device)
     except Exception as e:  # noqa: BLE001
         error = e
     if plan.stages > 1:
@@ -200,6 +185,29 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
     sent = sum(b.numel() * b.element_size() for _, b in sends + relay_sends)
     received = sum(b.numel() * b.element_size() for _, b, _ in recvs + relay_recvs)
     return new, sent, received
+
+
+def _packed(by_peer: dict[int, list[Transfer]], tensors: dict[str, torch.Tensor], layouts: dict[str, Layout],
+            backend: str) -> list[tuple[int, torch.Tensor]]:
+    """One packed send buffer per (peer, dtype), read from `tensors` laid out as `layouts`; identical
+    buffers (replicas of a tensor send the same bytes to several peers) are built once."""
+    built: dict[tuple, torch.Tensor] = {}
+    sends = []
+    for peer, transfers in by_peer.items():
+        for dtype, group_t in _by_dtype(transfers, tensors).items():
+            key = (dtype, tuple((t.tensor, t.box) for t in group_t))
+            if key not in built:
+                built[key] = pack([(tensors[t.tensor], t.src_local(layouts[t.tensor])) for t in group_t],
+                                  backend=backend)
+            sends.append((peer, built[key]))
+    return sends
+
+
+def _receive_buffers(receives: dict[int, list[Transfer]], new: dict[str, torch.Tensor],
+                     device) -> list[tuple[int, torch.Tensor, list[Transfer]]]:
+    """One receive buffer per (peer, dtype), in the sender's packing order."""
+    return [(peer, torch.empty(sum(_volume(t) for t in group_t), dtype=dtype, device=device), group_t)
+            for peer, transfers in receives.items() for dtype, group_t in _by_dtype(transfers, new).items()]
 
 
 def _exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor, list]], group) -> None:

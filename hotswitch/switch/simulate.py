@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -119,12 +120,13 @@ def simulate(
         seconds, bottleneck, busiest, latency_seconds, messages = 0.0, "nothing moves", 0, 0.0, 0
         per_device, per_node = np.zeros(n), np.zeros(topo.num_nodes)
     else:  # a relay stage starts when the first has arrived: the stages add up
-        seconds = sum(st[0] for st in stages)
-        slowest = max(range(len(stages)), key=lambda i: stages[i][0])
-        _, bottleneck, busiest, latency_seconds, _, _, _ = stages[slowest]
-        bottleneck = ("relay stage: " if slowest else "") + bottleneck
-        messages = sum(st[4] for st in stages)
-        per_device, per_node = sum(st[5] for st in stages), sum(st[6] for st in stages)
+        seconds = sum(st.seconds for st in stages)
+        slowest = max(range(len(stages)), key=lambda i: stages[i].seconds)
+        bottleneck = ("relay stage: " if slowest else "") + stages[slowest].bottleneck
+        busiest, latency_seconds = stages[slowest].busiest_device, stages[slowest].latency_seconds
+        messages = sum(st.messages for st in stages)
+        per_device = sum(st.per_device_seconds for st in stages)
+        per_node = sum(st.per_node_seconds for st in stages)
     assert seconds >= plan.estimated_seconds * (1 - 1e-12), "a simulated link beat the planner's estimate"
     return Simulation(
         algorithm=plan.algorithm,
@@ -140,9 +142,18 @@ def simulate(
     )
 
 
-def _stage(tr: np.ndarray, topo: Topology, node_bw: float, intra_latency: float, inter_latency: float):
-    """One stage of transfers: (seconds, bottleneck, busiest device, its latency, messages, seconds
-    per device, seconds per node)."""
+class _Stage(NamedTuple):
+    seconds: float
+    bottleneck: str
+    busiest_device: int
+    latency_seconds: float  # of the busiest device's bottleneck term
+    messages: int
+    per_device_seconds: np.ndarray
+    per_node_seconds: np.ndarray
+
+
+def _stage(tr: np.ndarray, topo: Topology, node_bw: float, intra_latency: float, inter_latency: float) -> _Stage:
+    """One stage of transfers (a plan's first, or its relay stage) simulated alone."""
     n, dpn, nodes = topo.num_devices, topo.devices_per_node, topo.num_nodes
     s, d, nb = tr["src"].astype(np.int64), tr["dst"].astype(np.int64), tr["nbytes"]
     near = s // dpn == d // dpn
@@ -168,7 +179,8 @@ def _stage(tr: np.ndarray, topo: Topology, node_bw: float, intra_latency: float,
     if per_node[node] > seconds:
         seconds = float(per_node[node])
         bottleneck = f"node {node} NICs {'out' if out_of[node] >= into[node] else 'in'}"
-    return seconds, bottleneck, busiest, float(msgs[term][busiest] * latency[term]), len(pairs), per_device, per_node
+    return _Stage(seconds, bottleneck, busiest, float(msgs[term][busiest] * latency[term]), len(pairs), per_device,
+                  per_node)
 
 
 # ---------------------------------------------------------------- comparing algorithms
