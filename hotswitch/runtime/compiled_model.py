@@ -168,8 +168,8 @@ class CompiledModel:
         previous config. Call on every rank.
 
         The weights do not move when they are already there: prefetched (`prefetch(name)`), or given
-        as `weights`, this rank's shards in `name`'s layout (the Trainer's base rebuilds them from its
-        masters). Only gradients and attached states then move."""
+        as `weights`, this rank's shards in `name`'s layout (the Trainer keeps its base's weights through a
+        step). Only gradients and attached states then move."""
         st = self._state(name)
         prefetched = self._take_prefetch(name)
         if name == self._active:
@@ -182,13 +182,14 @@ class CompiledModel:
             self._check_weights(name, weights)
         kinds = self._moving_kinds()
         new = {}
-        if weights is None or kinds:
+        move_weights = weights is None
+        if move_weights or kinds:
             plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads=StateKind.GRAD in kinds,
-                                    states=tuple(k for k in kinds if k != StateKind.GRAD), weights=weights is None)
-            old = dict(self._local) if weights is None else {}
+                                    states=tuple(k for k in kinds if k != StateKind.GRAD), weights=move_weights)
+            old = dict(self._local) if move_weights else {}
             for kind in kinds:
                 old.update({state_key(kind, n): t for n, t in self._kind(kind).items()})
-            src, dst = self._layouts(self._active, kinds, weights is None), self._layouts(name, kinds, weights is None)
+            src, dst = self._layouts(self._active, kinds, move_weights), self._layouts(name, kinds, move_weights)
             new, s, r = execute_plan(plan, old, src, dst, self.rank, dtypes={m: self._dtype(m) for m in dst},
                                      device=self.device)
             sent, received = sent + s, received + r
