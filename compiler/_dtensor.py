@@ -95,9 +95,11 @@ def _nests_one_dim(spec) -> bool:
 
 
 def _select_keeping_pinned(original, strategy: OpStrategy, op_schema: OpSchema | None = None):
-    if len(strategy.strategies) > 1:
+    nested_inputs = op_schema is not None and any(_nests_one_dim(s) for s in op_schema.args_spec)
+    if len(strategy.strategies) > 1 and not nested_inputs:
         # Never shard one tensor dim over two mesh axes when another choice exists: Megatron layouts
         # do not, and DTensor's local shapes for flattening nested uneven shards are inconsistent.
+        # (Where an input already is, [batch x seq] rows under dp x cp say, its rows stay put.)
         flat = [s for s in strategy.strategies if not _nests_one_dim(s.output_specs)]
         if flat and len(flat) < len(strategy.strategies):
             strategy = OpStrategy(flat)

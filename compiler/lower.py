@@ -17,6 +17,7 @@ Two steps, kept apart so the first can be inspected and tested on its own:
 """
 from __future__ import annotations
 
+import copy
 import operator
 import warnings
 from collections import Counter
@@ -252,25 +253,28 @@ def _seq_dim(node: fx.Node, seq_symbol) -> int | None:
 
 
 def propagate_graph(graph: fx.Graph, mesh: dt.DeviceMesh, placeholder_specs: list, *, sp_axis: int | None = None,
+                    cp_axis: int | None = None,
                     seq_symbol=None, pinned_nodes: set[fx.Node] = frozenset(), strict: bool = True,
                     keep_partial: set[fx.Node] | None = None, memo: dict | None = None,
                     decided: ShardingDecisions | None = None) -> GraphSharding:
     """Decide placements for every node. `keep_partial=None` runs the policy's two passes. DTensor's
     strategies run under hotswitch's policy only during this call (`_dtensor.propagation(memo)`).
-    `decided`: this graph's decisions at another input shape, replayed where they apply."""
+    `decided`: this graph's decisions at another input shape, replayed where they apply.
+    `sp_axis` / `cp_axis`: the mesh dims that shard the sequence (sequence / context parallelism):
+    partial values are reduce-scattered onto it there (under sp, those of parameter ops only)."""
     with dt.propagation(memo):
         if decided is not None and keep_partial is None:
             keep_partial = {n for n in graph.nodes if n.name in decided.keep_partial}
-        return _propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, seq_symbol=seq_symbol,
-                                pinned_nodes=pinned_nodes, strict=strict, keep_partial=keep_partial,
-                                decided=decided)
+        return _propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, cp_axis=cp_axis,
+                                seq_symbol=seq_symbol, pinned_nodes=pinned_nodes, strict=strict,
+                                keep_partial=keep_partial, decided=decided)
 
 
-def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, seq_symbol, pinned_nodes, strict, keep_partial,
-                     decided=None):
+def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_symbol, pinned_nodes, strict,
+                     keep_partial, decided=None):
     if keep_partial is None:
-        first = propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, seq_symbol=seq_symbol,
-                                pinned_nodes=pinned_nodes, strict=strict, keep_partial=set())
+        first = propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, cp_axis=cp_axis,
+                                seq_symbol=seq_symbol, pinned_nodes=pinned_nodes, strict=strict, keep_partial=set())
         partial = {n for n, d in first.decisions.items() if d.kind == "op" and _has_partial(d.out_spec)}
         keep_partial = _partials_to_keep(graph, partial)
     replayed, searched = 0, []
@@ -294,7 +298,7 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, seq_symbol, pin
             replayed += 1
         if d.kind == "op" and _has_partial(d.out_spec) and node not in keep_partial:
             scatter = sp_axis is not None and _from_param_op(node, pinned_nodes)
-            d.reduce_to = _reduction_target(d.out_spec, node, sp_axis if scatter else None, seq_symbol)
+            d.reduce_to = _reduction_target(d.out_spec, node, sp_axis if scatter else None, seq_symbol, cp_axis)
         decisions[node] = d
         if d.kind == "const":
             values[node] = d.value
@@ -391,14 +395,15 @@ def _from_param_op(node: fx.Node, pinned_nodes) -> bool:
     return any(a in pinned_nodes for a in n.all_input_nodes)
 
 
-def _reduction_target(spec, node: fx.Node, sp_axis: int | None, seq_symbol):
+def _reduction_target(spec, node: fx.Node, sp_axis: int | None, seq_symbol, cp_axis: int | None = None):
     placements = list(spec.placements)
-    seq = _seq_dim(node, seq_symbol) if sp_axis is not None else None
+    seq = _seq_dim(node, seq_symbol) if sp_axis is not None or cp_axis is not None else None
     for i, p in enumerate(placements):
         if not p.is_partial():
             continue
         taken = any(isinstance(q, dt.Shard) and q.dim == seq for j, q in enumerate(placements) if j != i)
-        placements[i] = dt.Shard(seq) if (i == sp_axis and seq is not None and not taken) else dt.Replicate()
+        onto_seq = i in (sp_axis, cp_axis) and seq is not None and not taken
+        placements[i] = dt.Shard(seq) if onto_seq else dt.Replicate()
     return dt.DTensorSpec(spec.mesh, tuple(placements), spec.tensor_meta)
 
 
@@ -445,8 +450,12 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
         try:
             out = _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs)
         except Exception as e:  # DTensor raises many types; each becomes a ShardingError below
-            error = e
-        else:
+            error, out = e, None
+        if out is None or _moves_strided(out, tensor_nodes, specs):
+            out = _propagate_strided_as_shard(target, args, kwargs, pinned, tensor_nodes, specs) or out
+        if out is None and "unevenly sharded" in str(error):
+            out = _propagate_gathering_uneven(target, args, kwargs, pinned, tensor_nodes, specs)
+        if out is not None:
             if out.output_spec is not None:
                 redo = out.redistribute_schema
                 want = list(redo.args_spec) if redo is not None else [specs[n] for n in tensor_nodes]
@@ -513,6 +522,105 @@ def _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs):
                 trial.redistribute_schema = OpSchema(target, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs))
             return trial
     return out
+
+
+def _moves_strided(out, tensor_nodes, specs) -> bool:
+    """Does this propagation redistribute an input that arrives as a _StridedShard?"""
+    redo = out.redistribute_schema
+    return redo is not None and any(
+        isinstance(p, dt.StridedShard) and w.placements[i] != p
+        for n, w in zip(tensor_nodes, redo.args_spec) for i, p in enumerate(specs[n].placements))
+
+
+def _propagate_strided_as_shard(target, args, kwargs, pinned, tensor_nodes, specs):
+    """Rows of a _StridedShard (a sequence-sharded [batch, seq] flattened into one dim, under
+    context parallelism) kept where they are by an op that treats that dim row by row: propagate
+    with the strided inputs as plain Shards of the same dim; where nothing is redistributed and the
+    output is sharded on a dim of the same size, it is strided the same way (or partial, for a
+    contraction over those rows). DTensor's strategies for some ops (cross-entropy's gather, a
+    weight gradient's mm) match Shard only. None when that does not apply."""
+    strided: dict[int, tuple[int, int]] = {}  # mesh dim -> (split factor, size of the strided dim)
+    for n in tensor_nodes:
+        for i, p in enumerate(specs[n].placements):
+            if isinstance(p, dt.StridedShard):
+                if strided.setdefault(i, (p.split_factor, specs[n].shape[p.dim])) != (p.split_factor,
+                                                                                     specs[n].shape[p.dim]):
+                    return None
+    if not strided:
+        return None
+
+    def as_shard(a):
+        if not isinstance(a, dt.DTensorSpec) or not any(isinstance(p, dt.StridedShard) for p in a.placements):
+            return a
+        placements = tuple(dt.Shard(p.dim) if isinstance(p, dt.StridedShard) else p for p in a.placements)
+        return dt.DTensorSpec(a.mesh, placements, a.tensor_meta)
+
+    try:
+        trial = dt.propagate(target, pytree.tree_map(as_shard, args), pytree.tree_map(as_shard, kwargs), pinned)
+    except Exception:  # noqa: BLE001 - only a candidate
+        return None
+    out = trial.output_spec
+    if not isinstance(out, dt.DTensorSpec):
+        return None
+    # what each input must be in: a strided input as it is; a replicated one chunked into the same
+    # strided rows (a local slice); any other move only on the mesh dims that are not strided
+    redo = trial.redistribute_schema
+    wants = []  # per tensor input, in order (equal specs may be one memoized object: never key by id)
+    for k, n in enumerate(tensor_nodes):
+        have = specs[n].placements
+        w = list(redo.args_spec[k].placements if redo is not None else as_shard(specs[n]).placements)
+        for i, (split_factor, size) in strided.items():
+            if isinstance(have[i], dt.StridedShard):
+                if w[i] != dt.Shard(have[i].dim):
+                    return None
+                w[i] = have[i]
+            elif w[i] != have[i]:
+                if not (have[i].is_replicate() and type(w[i]) is dt.Shard and specs[n].shape[w[i].dim] == size):
+                    return None
+                w[i] = dt.StridedShard(w[i].dim, split_factor=split_factor)
+        wants.append(dt.DTensorSpec(specs[n].mesh, tuple(w), specs[n].tensor_meta))
+    placements = list(out.placements)
+    for i, (split_factor, size) in strided.items():
+        q = placements[i]
+        if q.is_partial():  # a contraction over those rows, paired alike in every input
+            continue
+        if not isinstance(q, dt.Shard) or isinstance(q, dt.StridedShard) or out.shape[q.dim] != size:
+            return None
+        placements[i] = dt.StridedShard(q.dim, split_factor=split_factor)
+    trial = copy.copy(trial)  # propagation results are memoized: never change one in place
+    trial.output_spec = dt.DTensorSpec(out.mesh, tuple(placements), out.tensor_meta)
+    leaves, tree = pytree.tree_flatten((args, kwargs))
+    queue = iter(wants)
+    leaves = [next(queue) if isinstance(a, dt.DTensorSpec) else a for a in leaves]
+    want_args, want_kwargs = pytree.tree_unflatten(leaves, tree)
+    trial.redistribute_schema = OpSchema(target, want_args, want_kwargs)
+    trial.use_val_from_redistribute_schema = False
+    return trial
+
+
+def _propagate_gathering_uneven(target, args, kwargs, pinned, tensor_nodes, specs):
+    """A view DTensor refuses because it would flatten an unevenly sharded dim (a batch of 3 rows
+    sharded over 2 ranks, say): gather those mesh dims first (Replicate), then propagate."""
+    def even(a):
+        if not isinstance(a, dt.DTensorSpec):
+            return a
+        placements = tuple(
+            dt.Replicate() if isinstance(p, dt.Shard) and a.shape[p.dim] % a.mesh.size(i) else p
+            for i, p in enumerate(a.placements))
+        return a if placements == a.placements else dt.DTensorSpec(a.mesh, placements, a.tensor_meta)
+
+    want_args, want_kwargs = pytree.tree_map(even, args), pytree.tree_map(even, kwargs)
+    try:
+        trial = dt.propagate(target, want_args, want_kwargs, pinned)
+    except Exception:  # noqa: BLE001 - only a candidate
+        return None
+    if trial.output_spec is None:
+        return None
+    if trial.redistribute_schema is None:
+        trial = copy.copy(trial)  # memoized: never change one in place
+        trial.redistribute_schema = OpSchema(target, want_args, want_kwargs)
+        trial.use_val_from_redistribute_schema = False
+    return trial
 
 
 def _fallback(node, mesh, specs, tensor_nodes, args, kwargs) -> Decision:

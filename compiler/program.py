@@ -50,8 +50,9 @@ __all__ = ["StageMesh", "StageProgram", "lower_program"]
 
 @dataclass(frozen=True)
 class StageMesh:
-    """Where a stage computes: the DeviceMesh of its (dp, tp) axes, the axis name -> mesh dim map,
-    the data-parallel degree, whether sequence parallelism is on, and each parameter's placements."""
+    """Where a stage computes: the DeviceMesh of its (dp, cp, tp) axes, the axis name -> mesh dim map,
+    the data-parallel degree, whether sequence parallelism is on, and each parameter's placements;
+    `cp`: the context-parallel degree (every input's dim 1, the sequence, is sharded over "cp")."""
 
     mesh: dt.DeviceMesh
     axis: dict[str, int]
@@ -60,6 +61,7 @@ class StageMesh:
     param_placements: dict[str, tuple]
     name: str = ""  # the config's name, for the graphs' metadata and error messages
     device: torch.device = torch.device("cpu")  # where the program runs: its factory ops allocate there
+    cp: int = 1
 
 
 @dataclass
@@ -164,13 +166,16 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     else:
         graph = (stage_joint(logic, stage) if train else stage.forward).graph
         param_names, n_out, is_last = stage.param_names, len(stage.acts_out), stage.is_last
-    mesh, axis, dp = where.mesh, where.axis, where.dp
+    mesh, axis, dp, cp = where.mesh, where.axis, where.dp, where.cp
     ndim = mesh.ndim
-    virtual = [(s[0] * dp, *s[1:]) for s in local_shapes]
     phs = [n for n in graph.nodes if n.op == "placeholder"]
     n_p, n_b, n_i = len(param_names), len(buffers), logic.num_inputs
     inputs = phs[n_p + n_b:n_p + n_b + n_i]
     boundary = phs[n_p + n_b + n_i:]
+    # context parallelism shards every input's sequence dim (dim 1) over "cp"
+    cp_inputs = [cp > 1 and along_seq for along_seq in logic.sequence_inputs()]
+    virtual = [(s[0] * dp, s[1] * cp, *s[2:]) if along_seq else (s[0] * dp, *s[1:])
+               for s, along_seq in zip(local_shapes, cp_inputs)]
     values, batch_syms, seq_sym = {}, set(), None
     for ph, shape in zip(inputs, virtual):
         val = ph.meta["val"]
@@ -188,25 +193,28 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         if dp > 1 and "dp" in axis and val.dim() and isinstance(val.shape[0], torch.SymInt) \
                 and val.shape[0].node.expr.free_symbols & batch_syms:
             placements[axis["dp"]] = dt.Shard(0)
-        if where.sp and "tp" in axis:
-            seq = [d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt) and s.node.expr == seq_sym]
-            if seq:
-                placements[axis["tp"]] = dt.Shard(seq[0])
+        seq = [d for d, s in enumerate(val.shape) if isinstance(s, torch.SymInt) and s.node.expr == seq_sym]
+        if where.sp and "tp" in axis and seq:
+            placements[axis["tp"]] = dt.Shard(seq[0])
+        if cp > 1 and seq:
+            placements[axis["cp"]] = dt.Shard(seq[0])
         return dt.make_spec(mesh, placements, torch.empty(shape, dtype=val.dtype, device="meta"))
 
     specs = [dt.make_spec(mesh, where.param_placements[n],
                           torch.empty(logic.param_shapes[n], dtype=logic.param_dtypes[n], device="meta"))
              for n in param_names]
     specs += [dt.make_spec(mesh, (dt.Replicate(),) * ndim, b.to("meta")) for b in buffers]
-    for shape, dtype in zip(virtual, input_dtypes):
+    for shape, dtype, along_seq in zip(virtual, input_dtypes, cp_inputs):
         placements = [dt.Replicate()] * ndim
         if dp > 1 and "dp" in axis:
             placements[axis["dp"]] = dt.Shard(0)
+        if along_seq:
+            placements[axis["cp"]] = dt.Shard(1)
         specs.append(dt.make_spec(mesh, placements, torch.empty(shape, dtype=dtype, device="meta")))
     specs += [boundary_spec(ph.meta["val"]) for ph in boundary]
     n_acts_in = len(stage.acts_in) if stage is not None else 0
     key = None
-    what = (_graph_text(graph), tuple(mesh.mesh.shape), mesh.mesh_dim_names, dp, where.sp, strict,
+    what = (_graph_text(graph), tuple(mesh.mesh.shape), mesh.mesh_dim_names, dp, cp, where.sp, strict,
             [dt.encode_placements(where.param_placements[n]) for n in param_names],
             [(tuple(b.shape), b.dtype) for b in buffers], list(input_dtypes), ndim)
     if decided is None and cache is not None:
@@ -252,6 +260,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         t_propagate = time.perf_counter()
         try:
             sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None,
+                                       cp_axis=axis.get("cp"),
                                        seq_symbol=seq_sym, pinned_nodes=param_views(graph, n_p), strict=strict,
                                        memo=memo, decided=decided)
         except BaseException:

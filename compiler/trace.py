@@ -100,6 +100,18 @@ class LogicGraph:
     def num_params(self) -> int:
         return len(self.param_names)
 
+    def sequence_inputs(self) -> tuple[bool, ...]:
+        """Per model input: is its dim 1 the sequence (the dim context parallelism shards)?"""
+        inputs = [n for n in self.joint.graph.nodes if n.op == "placeholder"][
+            self.num_params + len(self.buffer_names):][:self.num_inputs]
+        out = []
+        for ph in inputs:
+            val = ph.meta.get("val")
+            dim1 = val.shape[1] if isinstance(val, torch.Tensor) and val.dim() >= 2 else None
+            out.append(self.seq_symbol is not None and isinstance(dim1, torch.SymInt)
+                       and dim1.node.expr == self.seq_symbol)
+        return tuple(out)
+
 
 def _decompose(gm: fx.GraphModule, fake_inputs: list) -> fx.GraphModule:
     """Core-ATen forward graph of the exported training IR.

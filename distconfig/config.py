@@ -1,7 +1,8 @@
-"""A DistConfig: one named way to parallelize the model (dp x tp x pp, optional sp) on some devices.
+"""A DistConfig: one named way to parallelize the model (dp x cp x tp x pp, optional sp) on some devices.
 
-Its mesh has axes ("pp", "dp", "tp") with tp innermost, so tensor-parallel peers are consecutive
-ranks and share a node (as in Megatron-LM), and pipeline stages are the outermost blocks.
+Its mesh has axes ("pp", "dp", "cp", "tp") with tp innermost, so tensor-parallel peers are consecutive
+ranks and share a node (as in Megatron-LM), context-parallel peers come next (their key/value
+exchange is the next heaviest traffic), and pipeline stages are the outermost blocks.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from .mesh import Mesh
 
 __all__ = ["DistConfig", "parse_configs", "standard_configs"]
 
-AXIS_NAMES = ("pp", "dp", "tp")
-_COMPACT = re.compile(r"(?:dp(\d+))?(?:tp(\d+))?(?:pp(\d+))?(sp)?")
-GRAMMAR = ("write a config as its compact name, e.g. 'dp4', 'dp2tp2', 'tp4sp', 'tp2pp2' (degrees of 1 may be left "
-           "out), or as key=value pairs, e.g. 'dp=2,tp=2,sp' (keys name, dp, tp, pp, sp, devices); separate several "
+AXIS_NAMES = ("pp", "dp", "cp", "tp")
+_COMPACT = re.compile(r"(?:dp(\d+))?(?:tp(\d+))?(?:cp(\d+))?(?:pp(\d+))?(sp)?")
+GRAMMAR = ("write a config as its compact name, e.g. 'dp4', 'dp2tp2', 'tp4sp', 'cp4', 'tp2cp2', 'tp2pp2' (degrees of 1 "
+           "may be left out), or as key=value pairs, e.g. 'dp=2,tp=2,sp' (keys name, dp, tp, cp, pp, sp, devices); "
+           "separate several "
            "configs with ';' ('dp=4;tp=4,sp'), or with ',' between compact names ('dp4,dp2tp2,tp4sp')")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -26,7 +28,12 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 @dataclass(frozen=True, slots=True)
 class DistConfig:
-    """`devices` (optional) are the ranks the config runs on, in mesh order; default 0..world_size-1."""
+    """`devices` (optional) are the ranks the config runs on, in mesh order; default 0..world_size-1.
+
+    `cp`: context parallelism. The sequence dim of every activation is sharded over the cp axis,
+    weights are replicated over it like over dp (their gradients are reduced over dp x cp), and
+    attention gathers the keys and values of the other cp ranks.
+    """
 
     name: str
     dp: int = 1
@@ -34,6 +41,7 @@ class DistConfig:
     pp: int = 1
     sp: bool = False
     devices: tuple[int, ...] | None = None
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -41,7 +49,7 @@ class DistConfig:
                 f"DistConfig name {self.name!r} must be a non-empty identifier (letters, digits, '_', "
                 "'-', '.'); pick a name like 'dp8' or 'long_seq'"
             )
-        for axis in ("dp", "tp", "pp"):
+        for axis in ("dp", "tp", "pp", "cp"):
             degree = getattr(self, axis)
             if not isinstance(degree, numbers.Integral) or isinstance(degree, bool) or degree < 1:
                 raise ValueError(
@@ -55,6 +63,11 @@ class DistConfig:
             raise ValueError(
                 f"DistConfig {self.name!r}: sequence parallelism shards activations across the "
                 "tensor-parallel axis, so it needs tp > 1; set tp>=2 or sp=False"
+            )
+        if self.sp and self.cp > 1:
+            raise ValueError(
+                f"DistConfig {self.name!r}: sp and cp both shard the sequence, and hotswitch does not combine "
+                "them yet; use cp with plain tp (e.g. 'tp2cp2'), or tp with sp and no cp"
             )
         if self.devices is not None:
             object.__setattr__(self, "devices", self._check_devices(self.devices))
@@ -73,14 +86,19 @@ class DistConfig:
             )
         if len(devices) != self.world_size:
             raise ValueError(
-                f"DistConfig {self.name!r} needs dp*tp*pp = {self.world_size} devices but {len(devices)} "
+                f"DistConfig {self.name!r} needs {self._product} = {self.world_size} devices but {len(devices)} "
                 f"were given; pass exactly {self.world_size} devices or change the degrees"
             )
         return devices
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def _product(self) -> str:
+        """How the device count is made, for messages: "dp*tp*pp" (with "cp" when it is used)."""
+        return "dp*cp*tp*pp" if self.cp > 1 else "dp*tp*pp"
 
     @property
     def axis_names(self) -> tuple[str, ...]:
@@ -91,14 +109,14 @@ class DistConfig:
         return self.devices if self.devices is not None else tuple(range(self.world_size))
 
     def mesh(self) -> Mesh:
-        """Mesh of shape (pp, dp, tp), tp innermost; every axis present even when its size is 1."""
-        return Mesh.from_shape((self.pp, self.dp, self.tp), AXIS_NAMES, self.ranks())
+        """Mesh of shape (pp, dp, cp, tp), tp innermost; every axis present even when its size is 1."""
+        return Mesh.from_shape((self.pp, self.dp, self.cp, self.tp), AXIS_NAMES, self.ranks())
 
     @property
     def stage_axes(self) -> tuple[str, ...]:
-        """The axes a pipeline stage computes on: dp and tp where above 1 (dp alone on one device).
+        """The axes a pipeline stage computes on: dp, cp and tp where above 1 (dp alone on one device).
         Axes of size 1 are left out so that sharding propagation searches no dead mesh dims."""
-        return tuple(a for a in ("dp", "tp") if getattr(self, a) > 1) or ("dp",)
+        return tuple(a for a in ("dp", "cp", "tp") if getattr(self, a) > 1) or ("dp",)
 
     @property
     def compute_axes(self) -> tuple[str, ...]:
@@ -134,27 +152,27 @@ class DistConfig:
             return
         if n == world_size:
             return
-        fix = f"change the degrees so that dp*tp*pp = {world_size}"
+        fix = f"change the degrees so that {self._product} = {world_size}"
         if n < world_size:
             fix += f" or pass devices=[...] with {n} of the {world_size} ranks"
         raise ValueError(
-            f"DistConfig {self.name!r} uses dp*tp*pp = {n} devices but the job has {world_size} "
+            f"DistConfig {self.name!r} uses {self._product} = {n} devices but the job has {world_size} "
             f"processes; {fix}"
         )
 
     def instantiate(
         self, num_devices: int, devices: Sequence[int] | None = None, name: str | None = None
     ) -> DistConfig:
-        """This config on `num_devices` devices (elastic change): tp, pp and sp kept, dp scaled.
+        """This config on `num_devices` devices (elastic change): tp, cp, pp and sp kept, dp scaled.
 
         The name is kept (it identifies the config across the change) unless `name` is given.
         """
-        model_parallel = self.tp * self.pp
+        model_parallel = self.tp * self.pp * self.cp
         if not isinstance(num_devices, numbers.Integral) or num_devices < 1 or num_devices % model_parallel:
             raise ValueError(
-                f"DistConfig {self.name!r} cannot run on {num_devices!r} devices: tp*pp = {model_parallel} "
+                f"DistConfig {self.name!r} cannot run on {num_devices!r} devices: cp*tp*pp = {model_parallel} "
                 f"must divide the device count; use a multiple of {model_parallel} devices or a config "
-                "with smaller tp/pp"
+                "with smaller cp/tp/pp"
             )
         return replace(
             self, name=self.name if name is None else name, dp=int(num_devices) // model_parallel,
@@ -165,8 +183,9 @@ class DistConfig:
     def parse(cls, spec: str | DistConfig) -> DistConfig:
         """The one config grammar, accepted everywhere a config is given as a string.
 
-        Two spellings of the same config: the compact name "dp2tp4pp2sp" (degrees of 1 may be left
-        out; "sp" last) and key=value pairs "dp=2,tp=4,pp=2,sp" (keys name, dp, tp, pp, sp, devices;
+        Two spellings of the same config: the compact name "dp2tp4pp2sp" or "dp2tp2cp2" (axes in the
+        order dp, tp, cp, pp; degrees of 1 may be left out; "sp" last) and key=value pairs
+        "dp=2,tp=4,pp=2,sp" (keys name, dp, tp, cp, pp, sp, devices;
         a bare "sp" means sp=true; devices are ':'-separated ranks, "devices=0:1:2:3"). The name
         defaults to the compact form, so "dp2tp2sp" and "dp=2,tp=2,sp" give equal configs. A
         DistConfig is returned as it is.
@@ -178,9 +197,9 @@ class DistConfig:
                              f"{GRAMMAR}")
         compact = _COMPACT.fullmatch(spec.strip())
         if compact and spec.strip():  # (an empty string is key=value pairs with every default: one device)
-            dp, tp, pp = (int(d or 1) for d in compact.groups()[:3])
-            sp = bool(compact[4])
-            return cls(default_name(dp, tp, pp, sp), dp=dp, tp=tp, pp=pp, sp=sp)
+            dp, tp, cp, pp = (int(d or 1) for d in compact.groups()[:4])
+            sp = bool(compact[5])
+            return cls(default_name(dp, tp, pp, sp, cp), dp=dp, tp=tp, pp=pp, sp=sp, cp=cp)
         fields: dict[str, object] = {}
         for item in (part.strip() for part in spec.split(",")):
             if not item:
@@ -191,26 +210,28 @@ class DistConfig:
             if not sep and item != "sp" and _COMPACT.fullmatch(item):
                 raise ValueError(f"DistConfig spec {spec!r}: {item!r} is a whole config; one string is one config "
                                  f"(or use parse_configs for several); {GRAMMAR}")
-            if key not in ("name", "dp", "tp", "pp", "sp", "devices") or (key != "sp" and not sep):
+            if key not in ("name", "dp", "tp", "cp", "pp", "sp", "devices") or (key != "sp" and not sep):
                 raise ValueError(f"DistConfig spec {spec!r}: cannot read {item!r}; {GRAMMAR}")
             if key in fields:
                 raise ValueError(f"DistConfig spec {spec!r} sets {key!r} twice; give each key once")
             fields[key] = _parse_value(spec, key, value)
         if "name" not in fields:
             degrees = (fields.get("dp", 1), fields.get("tp", 1), fields.get("pp", 1))
-            fields["name"] = default_name(*degrees, sp=fields.get("sp", False))
+            fields["name"] = default_name(*degrees, sp=fields.get("sp", False), cp=fields.get("cp", 1))
         return cls(**fields)
 
     def spec(self) -> str:
         """The string `parse` reads back into this config."""
-        text = f"name={self.name},dp={self.dp},tp={self.tp},pp={self.pp}" + (",sp" if self.sp else "")
+        text = f"name={self.name},dp={self.dp},tp={self.tp},pp={self.pp}" + (f",cp={self.cp}" if self.cp > 1 else "")
+        text += ",sp" if self.sp else ""
         if self.devices is not None:
             text += ",devices=" + ":".join(map(str, self.devices))
         return text
 
     def describe(self) -> str:
         """One line for logs, e.g. "long: dp=1 tp=4 pp=2 +sp on 8 devices"."""
-        text = f"{self.name}: dp={self.dp} tp={self.tp} pp={self.pp}{' +sp' if self.sp else ''}"
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        text = f"{self.name}: dp={self.dp}{cp} tp={self.tp} pp={self.pp}{' +sp' if self.sp else ''}"
         text += f" on {self.world_size} device{'s' if self.world_size > 1 else ''}"
         return text + (f" {list(self.devices)}" if self.devices is not None else "")
 
@@ -243,9 +264,9 @@ def parse_configs(configs: str | DistConfig | Iterable[str | DistConfig]) -> lis
     return configs
 
 
-def default_name(dp: int, tp: int, pp: int, sp: bool) -> str:
-    """"dp2tp4" style: the degrees above 1 (dp, tp, pp order), then "sp"; "dp1" for one device."""
-    name = "".join(f"{axis}{d}" for axis, d in (("dp", dp), ("tp", tp), ("pp", pp)) if d != 1)
+def default_name(dp: int, tp: int, pp: int, sp: bool, cp: int = 1) -> str:
+    """"dp2tp4" style: the degrees above 1 (dp, tp, cp, pp order), then "sp"; "dp1" for one device."""
+    name = "".join(f"{axis}{d}" for axis, d in (("dp", dp), ("tp", tp), ("cp", cp), ("pp", pp)) if d != 1)
     return (name or "dp1") + ("sp" if sp else "")
 
 

@@ -207,7 +207,7 @@ def test_layout_boxes_fast_for_1024_devices():
     mesh = DistConfig("big", dp=8, tp=8, pp=16).mesh()
     start = time.perf_counter()
     for rows in range(1000, 1100):  # 100 parameters
-        boxes = Layout((rows, 12288), mesh, (Replicate(), Shard(0), Shard(1))).boxes()
+        boxes = Layout((rows, 12288), mesh, (Replicate(), Shard(0), Replicate(), Shard(1))).boxes()
     assert time.perf_counter() - start < 2.0
     assert boxes.shape == (1024, 2, 2) and not boxes.flags.writeable
 
@@ -271,13 +271,34 @@ def test_topology_from_env(monkeypatch):
 
 def test_distconfig_mesh_puts_tp_innermost():
     c = DistConfig("c", dp=2, tp=2, pp=2)
-    assert c.world_size == 8 and c.axis_names == ("pp", "dp", "tp")
+    assert c.world_size == 8 and c.axis_names == ("pp", "dp", "cp", "tp")
     mesh = c.mesh()
-    assert mesh.shape == (2, 2, 2) and mesh.axis_names == ("pp", "dp", "tp")
+    assert mesh.shape == (2, 2, 1, 2) and mesh.axis_names == ("pp", "dp", "cp", "tp")
     assert mesh.axis_groups("tp") == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert mesh.axis_groups("pp") == ((0, 4), (1, 5), (2, 6), (3, 7))
     assert DistConfig("d", dp=2, devices=[5, 3]).mesh().devices == (5, 3)
     assert DistConfig("d", dp=2, devices=[5, 3]).devices == (5, 3)
+
+
+def test_context_parallel_configs_parse_and_lay_out():
+    """cp in the one grammar (compact names in the order dp, tp, cp, pp; key=value), its mesh axis
+    between dp and tp, a stage axis when above 1, kept by an elastic change, refused with sp."""
+    c = DistConfig.parse("dp2tp2cp2")
+    assert (c.dp, c.tp, c.cp, c.world_size, c.stage_axes) == (2, 2, 2, 8, ("dp", "cp", "tp"))
+    assert DistConfig.parse("dp=2,tp=2,cp=2") == c and DistConfig.parse(c.spec()) == c
+    assert [DistConfig.parse(n).name for n in ("cp4", "tp2cp2", "dp=2,cp=2")] == ["cp4", "tp2cp2", "dp2cp2"]
+    mesh = c.mesh()
+    assert mesh.shape == (1, 2, 2, 2) and mesh.axis_groups("cp") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert c.instantiate(16) == DistConfig.parse("dp4tp2cp2").__class__("dp2tp2cp2", dp=4, tp=2, cp=2)
+    assert "cp=2" in c.describe()
+    with pytest.raises(ValueError, match="sp and cp both shard the sequence"):
+        DistConfig.parse("tp2cp2sp")
+    with pytest.raises(ValueError, match="cp must be a positive int"):
+        DistConfig("x", cp=0)
+    with pytest.raises(ValueError, match="cp\\*tp\\*pp = 4 must divide"):
+        c.instantiate(6)
+    with pytest.raises(ValueError, match="uses dp\\*cp\\*tp\\*pp = 8 devices but the job has 4"):
+        c.check_world_size(4)
 
 
 def test_distconfig_check_world_size():

@@ -61,7 +61,7 @@ class ConfigState:
     def where(self) -> StageMesh:
         """The stage's mesh and placements, as the compiler's lowering takes them."""
         return StageMesh(self.mesh, self.axis, self.config.dp, self.config.sp, self.param_specs, self.config.name,
-                         self.device)
+                         self.device, cp=self.config.cp)
 
 
 class CompiledModel:
@@ -319,7 +319,8 @@ class CompiledModel:
 
     def shard_inputs(self, *args, **kwargs):
         """This rank's part of a global batch: every tensor input's dim 0 split over the data-parallel
-        axis (torch.tensor_split sizes). Mirrors the call: positional inputs give a tuple
+        axis (torch.tensor_split sizes) and, under context parallelism, the sequence dim (dim 1) of
+        every input that has one over the cp axis (evenly). Mirrors the call: positional inputs give a tuple
         (`cm.forward_backward(*cm.shard_inputs(*batch))`), keyword inputs a dict
         (`cm.forward_backward(**cm.shard_inputs(**batch))`); non-tensor inputs pass through."""
         if args and kwargs:
@@ -334,7 +335,18 @@ class CompiledModel:
             raise ValueError(
                 f"a global batch of {batch} cannot be split over dp={dp} ranks: use a batch of at least {dp}"
             )
-        split = lambda x: x.tensor_split(dp, dim=0)[index] if dp > 1 and isinstance(x, torch.Tensor) else x  # noqa: E731
+        self._check_split(st, tuple(tuple(x.shape) for x in global_inputs))
+        along_seq = dict(zip(map(id, global_inputs), self.logic.sequence_inputs()))
+        cp, cp_index = st.config.cp, self._coordinate(st, "cp")
+
+        def split(x):
+            if not isinstance(x, torch.Tensor):
+                return x
+            local = x.tensor_split(dp, dim=0)[index] if dp > 1 else x
+            if cp > 1 and along_seq.get(id(x), False):  # contiguous: the program views its inputs
+                return local.chunk(cp, dim=1)[cp_index].contiguous()
+            return local
+
         local = tuple(split(x) for x in global_inputs)
         self._global_shapes[(self._active, tuple(tuple(x.shape) for x in local))] = tuple(
             tuple(x.shape) for x in global_inputs
@@ -632,7 +644,10 @@ class CompiledModel:
             batch = sum(int(gathered[r][0]) for r in dp_peers)
             if len(dp_peers) > 1 and all(bool((gathered[r] == mine).all()) for r in dp_peers):
                 self._warn_unsharded(st, int(mine[0]))
-            self._global_shapes[key] = tuple((batch, *x.shape[1:]) for x in local_inputs)
+            cp = st.config.cp
+            self._global_shapes[key] = tuple(
+                (batch, x.shape[1] * cp, *x.shape[2:]) if cp > 1 and along_seq else (batch, *x.shape[1:])
+                for x, along_seq in zip(local_inputs, self.logic.sequence_inputs()))
         return self._global_shapes[key]
 
     def _warn_unsharded(self, st: ConfigState, rows: int) -> None:
@@ -657,8 +672,21 @@ class CompiledModel:
         return all(c == m for i, (c, m) in enumerate(zip(coords, mine)) if i != st.axis.get(axis_name))
 
     def _check_split(self, st: ConfigState, shapes: tuple) -> None:
-        """An uneven data-parallel split is exact only for a loss written as sum / count."""
+        """An uneven data-parallel split is exact only for a loss written as sum / count; context
+        parallelism splits the sequence evenly."""
+        cp = st.config.cp
+        for shape, along_seq in zip(shapes, self.logic.sequence_inputs()):
+            if cp > 1 and along_seq and shape[1] % cp:
+                raise ValueError(
+                    f"{st.config.name!r} splits the sequence over cp={cp} ranks, but the inputs have {shape[1]} "
+                    f"positions: use a sequence length divisible by {cp} (pad the rows), or a config without cp"
+                )
         batch, dp = shapes[0][0], st.config.dp
+        if batch < dp:
+            raise ValueError(
+                f"a global batch of {batch} cannot be split over the dp={dp} ranks of {st.config.name!r}: use a "
+                f"batch of at least {dp} rows (also for the example inputs), or a config with smaller dp"
+            )
         if dp > 1 and batch % dp and not self.logic.split_loss:
             raise ValueError(
                 f"a global batch of {batch} does not split evenly over dp={dp}, and the model's loss is not "
@@ -716,9 +744,12 @@ class CompiledModel:
         return {n: t.clone() if t is local.get(n) else t for n, t in new.items()}
 
     def _local_shapes(self, st: ConfigState, shapes: tuple) -> tuple:
-        """This rank's rows of a global batch of `shapes` (its data-parallel part)."""
-        dp, index = st.config.dp, self._coordinate(st, "dp")
-        return tuple((_split_size(s[0], dp, index), *s[1:]) for s in shapes)
+        """This rank's part of a global batch of `shapes`: its data-parallel rows and, under context
+        parallelism, its share of the sequence."""
+        dp, index, cp = st.config.dp, self._coordinate(st, "dp"), st.config.cp
+        return tuple((_split_size(s[0], dp, index), s[1] // cp, *s[2:]) if cp > 1 and along_seq
+                     else (_split_size(s[0], dp, index), *s[1:])
+                     for s, along_seq in zip(shapes, self.logic.sequence_inputs()))
 
     def _program(self, st: ConfigState, local_shapes: tuple, *, train: bool, reduce: bool) -> StageProgram:
         """This rank's lowered programs for local (micro-)batches of `local_shapes`, lowered on first

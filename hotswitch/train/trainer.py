@@ -203,8 +203,9 @@ class Trainer:
         self.zero1 = bool(zero1)
         self.prefetch = prefetch
         self.profile_repeats = profile_repeats
-        sp_degrees = [c.tp for c in self.configs if c.sp]
-        self.length_multiple = math.lcm(length_multiple, *sp_degrees) if sp_degrees else length_multiple
+        # sequence and context parallelism split every length evenly over tp (sp) or cp ranks
+        seq_degrees = [c.tp for c in self.configs if c.sp] + [c.cp for c in self.configs if c.cp > 1]
+        self.length_multiple = math.lcm(length_multiple, *seq_degrees) if seq_degrees else length_multiple
         self._report = progress or (lambda message: None)
         self._num_buckets = num_buckets or max(3, len(self.configs))
         self._boundaries: tuple[int, ...] | None = None
