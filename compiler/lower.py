@@ -291,7 +291,7 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
             break
         d = _replay(node, decided.ops.get(node.name), mesh, specs, values) if decided is not None else None
         if d is None:
-            d = _decide(node, mesh, specs, values, pinned_nodes, strict)
+            d = _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded=cp_axis is not None)
             if d.replayable:
                 searched.append(node.name)
         else:
@@ -407,7 +407,9 @@ def _reduction_target(spec, node: fx.Node, sp_axis: int | None, seq_symbol, cp_a
     return dt.DTensorSpec(spec.mesh, tuple(placements), spec.tensor_meta)
 
 
-def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
+def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool = False) -> Decision:
+    """`rows_sharded`: the sequence is sharded (context parallelism), so flattened [batch x seq]
+    rows arrive as _StridedShards that row-wise ops should keep (`_propagate_strided_as_shard`)."""
     target = node.target
     if target in _DROP_OPS:
         return Decision("drop")
@@ -451,7 +453,7 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict) -> Decision:
             out = _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs)
         except Exception as e:  # DTensor raises many types; each becomes a ShardingError below
             error, out = e, None
-        if out is None or _moves_strided(out, tensor_nodes, specs):
+        if rows_sharded and (out is None or _moves_strided(out, tensor_nodes, specs)):
             out = _propagate_strided_as_shard(target, args, kwargs, pinned, tensor_nodes, specs) or out
         if out is None and "unevenly sharded" in str(error):
             out = _propagate_gathering_uneven(target, args, kwargs, pinned, tensor_nodes, specs)
