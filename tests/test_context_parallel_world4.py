@@ -18,8 +18,9 @@ CP_CONFIGS = [hs.DistConfig.parse(c) for c in ("cp4", "dp2cp2", "tp2cp2")]
 
 
 def check_gpt_equivalence():
-    """Plain causal rows (is_causal attention), an uneven dp split (5 rows), a second length."""
-    return assert_equivalent("gpt", CP_CONFIGS, extra_seq=8)
+    """Plain causal rows (is_causal attention), an uneven dp split (5 rows), a second length, and
+    cp under pipeline parallelism (cp2pp2: one block per stage)."""
+    return assert_equivalent("gpt", [*CP_CONFIGS, hs.DistConfig.parse("cp2pp2")], extra_seq=8)
 
 
 def check_llama_equivalence():
@@ -122,11 +123,14 @@ results = dist_fixture(4, [check_gpt_equivalence, check_llama_equivalence, check
                            check_attention_gathers_keys_and_values_over_cp, check_sequence_not_divisible_names_the_fix])
 
 
-def test_gpt_under_cp_configs_matches_single_device(results):
+def test_gpt_under_cp_configs_and_cp_pipeline_matches_single_device(results):
     r = results["check_gpt_equivalence"]
     assert r.ok, r.errors
-    # the attention exchange appears under every cp config (more under tp2cp2: tp's all-reduces)
-    assert all(counts["all_gather"] == 8 and counts["reduce_scatter"] == 4 for counts in r.values[0].values())
+    # the attention exchange appears under every cp config (more under tp2cp2: tp's all-reduces);
+    # under cp2pp2 a stage's program holds one of the two blocks
+    counts = r.values[0]
+    assert all(counts[c.name]["all_gather"] == 8 and counts[c.name]["reduce_scatter"] == 4 for c in CP_CONFIGS)
+    assert counts["cp2pp2"]["all_gather"] == 4 and counts["cp2pp2"]["reduce_scatter"] == 2
 
 
 def test_hf_llama_gqa_under_cp_configs_matches_single_device(results):
