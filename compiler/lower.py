@@ -601,22 +601,27 @@ def _propagate_strided_as_shard(target, args, kwargs, pinned, tensor_nodes, spec
 
 
 def _propagate_gathering_uneven(target, args, kwargs, pinned, tensor_nodes, specs):
-    """A view DTensor refuses because it would flatten an unevenly sharded dim (a batch of 3 rows
-    sharded over 2 ranks, say): gather those mesh dims first (Replicate), then propagate."""
-    def even(a):
+    """A view DTensor refuses because it would flatten or unflatten an unevenly sharded dim (a
+    batch of 3 rows over 2 ranks; 2 kv heads of one row over 4): gather the uneven mesh dims of
+    the input first, or, when the uneven dim is the output's, every sharded one; then propagate."""
+    def gathered(a, every: bool):
         if not isinstance(a, dt.DTensorSpec):
             return a
         placements = tuple(
-            dt.Replicate() if isinstance(p, dt.Shard) and a.shape[p.dim] % a.mesh.size(i) else p
+            dt.Replicate() if isinstance(p, dt.Shard) and (every or a.shape[p.dim] % a.mesh.size(i)) else p
             for i, p in enumerate(a.placements))
         return a if placements == a.placements else dt.DTensorSpec(a.mesh, placements, a.tensor_meta)
 
-    want_args, want_kwargs = pytree.tree_map(even, args), pytree.tree_map(even, kwargs)
-    try:
-        trial = dt.propagate(target, want_args, want_kwargs, pinned)
-    except Exception:  # noqa: BLE001 - only a candidate
-        return None
-    if trial.output_spec is None:
+    for every in (False, True):
+        want_args = pytree.tree_map(lambda a: gathered(a, every), args)  # noqa: B023 - used at once
+        want_kwargs = pytree.tree_map(lambda a: gathered(a, every), kwargs)  # noqa: B023
+        try:
+            trial = dt.propagate(target, want_args, want_kwargs, pinned)
+        except Exception:  # noqa: BLE001 - only a candidate
+            continue
+        if trial.output_spec is not None:
+            break
+    else:
         return None
     if trial.redistribute_schema is None:
         trial = copy.copy(trial)  # memoized: never change one in place
