@@ -40,6 +40,12 @@ class _Op:
 
 
 @dataclass(frozen=True)
+class _MemoryFormat:
+    name: str  # "contiguous_format": pickle finds torch.memory_format values by scanning sys.modules
+    # for one that reaches them, and may write a script's __mp_main__, which no other process has
+
+
+@dataclass(frozen=True)
 class _Group:
     axis: int  # a collective's process group: the one of this axis of the config's mesh
 
@@ -97,12 +103,23 @@ def _encode_graph(gm: fx.GraphModule, encoder: _Encoder) -> tuple[list, dict, ob
     nodes, attrs = [], {}
     for n in gm.graph.nodes:
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
+        args, kwargs = pytree.tree_map(
+            lambda a: _MemoryFormat(str(a).removeprefix("torch.")) if isinstance(a, torch.memory_format) else a,
+            (args, kwargs), is_leaf=lambda a: isinstance(a, _Ref))
         target = _Op(n.target.name()) if isinstance(n.target, OpOverload) else n.target
         if n.op == "get_attr":
             attrs[n.target] = getattr(gm, n.target)
         meta = {k: v for k, v in n.meta.items() if k not in _SKIPPED_META}
         nodes.append((n.name, n.op, target, args, kwargs, meta, encoder.val(n.meta.get("val"))))
     return nodes, attrs, codegen(gm.graph)
+
+
+def _decode_arg(by_name: dict):
+    def decode(a):
+        if isinstance(a, _Ref):
+            return by_name[a.name]
+        return getattr(torch, a.name) if isinstance(a, _MemoryFormat) else a
+    return decode
 
 
 def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: dict) -> fx.GraphModule:
@@ -142,8 +159,8 @@ def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: di
         return v
 
     for name, op, target, args, kwargs, meta, val in nodes:
-        args, kwargs = pytree.tree_map(lambda a: by_name[a.name] if isinstance(a, _Ref) else a, (args, kwargs),
-                                       is_leaf=lambda a: isinstance(a, _Ref))
+        args, kwargs = pytree.tree_map(_decode_arg(by_name), (args, kwargs),
+                                       is_leaf=lambda a: isinstance(a, (_Ref, _MemoryFormat)))
         node = graph.create_node(op, _op(target) if isinstance(target, _Op) else target, args, kwargs, name=name)
         node.meta.update(meta)
         if val is not None:

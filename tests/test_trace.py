@@ -123,6 +123,26 @@ def test_hf_internal_loss_keeps_batch_and_sequence_dynamic():
     assert lg.call.tensor_names == ("input_ids", "labels") and lg.split_loss
 
 
+def test_a_logic_graph_is_written_without_looking_up_memory_formats(ours):
+    """pickle writes a torch.memory_format (clone(memory_format=...) nodes) as a global found by
+    scanning sys.modules for a module that reaches it. In the ranks of a script run under hs.launch
+    that can be the script's `__mp_main__`, and the entry then failed to load in the next process
+    ("Can't get attribute 'torch.contiguous_format' on __mp_main__"): every run traced again.
+    Memory formats are written by name instead."""
+    from hotswitch.compiler.logic_io import dumps_logic, loads_logic
+
+    lg, _ = ours
+    formats = [a for g in (lg.forward, lg.joint) for n in g.graph.nodes for a in (*n.args, *n.kwargs.values())
+               if isinstance(a, torch.memory_format)]
+    assert formats  # otherwise this test tests nothing
+    data = dumps_logic(lg)
+    assert b"torch.contiguous_format" not in data  # no global to look up
+    loaded = loads_logic(data)
+    assert loaded.joint.graph.python_code("self").src == lg.joint.graph.python_code("self").src
+    assert [a for g in (loaded.forward, loaded.joint) for n in g.graph.nodes for a in (*n.args, *n.kwargs.values())
+            if isinstance(a, torch.memory_format)] == formats
+
+
 @pytest.mark.parametrize("which", ["llama", "gpt2", "ours"])
 def test_a_loaded_logic_graph_is_the_traced_one(which, request):
     """One rank traces, the others load (hotswitch.runtime.shared): the loaded graphs have the same
