@@ -48,7 +48,7 @@ class ConfigState:
     compile_seconds: dict[tuple, float] = field(default_factory=dict)
     last_shapes: tuple | None = None
     layouts: dict | None = None  # parameter name -> distconfig Layout, built on first use
-    # pp > 1: `full_mesh` is (pp, dp, tp) and `mesh` this rank's stage's slice of it
+    # pp > 1: `full_mesh` is (pp, dp, cp, tp) and `mesh` this rank's stage's slice of it
     full_mesh: DeviceMesh | None = None
     stage: int = 0
     copy_groups: dict[tuple, object] = field(default_factory=dict)  # stages sharing a parameter -> this rank's group
@@ -540,7 +540,7 @@ class CompiledModel:
         specs = param_placements(self.roles, self.logic.param_names, config.tp, axis.get("tp"), len(axis), config.name)
         if config.pp == 1:
             return ConfigState(config, config.device_mesh(self.device.type), axis, specs, device=self.device)
-        # pp > 1: a (pp, dp, tp) mesh; stage s runs on its (dp, tp) slice, where parameters are placed
+        # pp > 1: a (pp, dp, cp, tp) mesh; stage s runs on its (dp, cp, tp) slice, where parameters are placed
         self._split(config.pp)  # cut the model now: a model that cannot be cut fails at compile time
         full = config.device_mesh(self.device.type)
         mesh = full[config.stage_axes[0]] if len(config.stage_axes) == 1 else full[config.stage_axes]
@@ -604,7 +604,7 @@ class CompiledModel:
         (same layout) under `name`."""
         st = self._states[name]
         if st.layouts is None and st.full_mesh is not None:
-            # pp > 1: a parameter lives only on its stage's (dp, tp) sub-mesh of the (pp, dp, tp) mesh
+            # pp > 1: a parameter lives only on its stage's (dp, cp, tp) sub-mesh of the (pp, dp, cp, tp) mesh
             # (a shared parameter: a copy on each of its stages, a "copy" axis of Replicate() over them)
             split, grid, axes = self._splits[st.config.pp], st.full_mesh.mesh, tuple(st.mesh.mesh_dim_names)
             st.layouts = {}

@@ -1,7 +1,7 @@
 """Pipeline parallelism at run time: lowered stage programs, micro-batches, GPipe and 1F1B.
 
 A config with pp > 1 runs `pp` stages (hotswitch.compiler.stages cuts the LogicGraph), each on a (dp, tp)
-sub-mesh of the config's (pp, dp, tp) mesh. Each rank lowers only its own stage's joint graph, by
+sub-mesh of the config's (pp, dp, cp, tp) mesh. Each rank lowers only its own stage's joint graph, by
 the same `hotswitch.compiler.program.lower_program` as every other config, into a *forward* and a
 *backward* program; the last stage's joint graph runs whole at its forward,
 because its backward needs nothing from another stage. Ranks with the same (dp, tp) coordinate form
