@@ -96,6 +96,12 @@ class DistConfig:
         return self.dp * self.cp * self.tp * self.pp
 
     @property
+    def sequence_shards(self) -> int:
+        """Into how many even parts a sequence is cut (tp under sp, cp): every length this config
+        runs must be a multiple of it."""
+        return (self.tp if self.sp else 1) * self.cp
+
+    @property
     def _product(self) -> str:
         """How the device count is made, for messages: "dp*tp*pp" (with "cp" when it is used)."""
         return "dp*cp*tp*pp" if self.cp > 1 else "dp*tp*pp"

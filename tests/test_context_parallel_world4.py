@@ -9,7 +9,7 @@ import torch
 import hotswitch as hs
 from hotswitch.compiler.lower import collective_kind, collectives
 from hotswitch.models import PackedCausalLMLoss, build_model
-from tests.compile_checks import VOCAB, assert_equivalent, rel_err
+from tests.compile_checks import VOCAB, assert_equivalent, batch, make_model, reference, rel_err
 from tests.distributed import dist_fixture
 
 pytestmark = pytest.mark.slow  # spawns gloo processes and compiles; `-m 'not slow'` leaves it out
@@ -94,8 +94,6 @@ def check_attention_gathers_keys_and_values_over_cp():
     """cp4 on the 2-layer GPT: per layer, the forward all-gathers K and V over the cp ranks and
     nothing else; the backward gathers them again and reduce-scatters their gradients onto the
     sequence; one bucketed all-reduce of the weight gradients at the end."""
-    from tests.compile_checks import batch, make_model
-
     ids, labels = batch(seq=12)
     cm = hs.compile(make_model("gpt"), (ids, labels), configs=["cp4"])
     gm = cm.exec_graph("cp4")
@@ -110,8 +108,6 @@ def check_attention_gathers_keys_and_values_over_cp():
 def check_one_long_row():
     """One row (the long-sequence case): cp4, and tp4sp, whose GQA view of 2 kv heads over 4 ranks
     DTensor refused to unflatten until the lowering learned to gather before such a view."""
-    from tests.compile_checks import make_model, reference
-
     ids = torch.randint(0, VOCAB, (1, 32), generator=torch.Generator().manual_seed(5))
     labels = ids.roll(-1, 1)
     model = make_model("gpt")
@@ -129,8 +125,6 @@ def check_one_long_row():
 
 
 def check_sequence_not_divisible_names_the_fix():
-    from tests.compile_checks import batch, make_model
-
     cm = hs.compile(make_model("gpt"), batch(seq=12), configs=["cp4"])
     ids, labels = batch(seq=10)
     try:

@@ -289,7 +289,9 @@ def test_context_parallel_configs_parse_and_lay_out():
     assert [DistConfig.parse(n).name for n in ("cp4", "tp2cp2", "dp=2,cp=2")] == ["cp4", "tp2cp2", "dp2cp2"]
     mesh = c.mesh()
     assert mesh.shape == (1, 2, 2, 2) and mesh.axis_groups("cp") == ((0, 2), (1, 3), (4, 6), (5, 7))
-    assert c.instantiate(16) == DistConfig.parse("dp4tp2cp2").__class__("dp2tp2cp2", dp=4, tp=2, cp=2)
+    assert c.instantiate(16) == DistConfig("dp2tp2cp2", dp=4, tp=2, cp=2)
+    assert (c.sequence_shards, DistConfig.parse("tp4sp").sequence_shards, DistConfig.parse("dp4").sequence_shards) \
+        == (2, 4, 1)
     assert "cp=2" in c.describe()
     with pytest.raises(ValueError, match="sp and cp both shard the sequence"):
         DistConfig.parse("tp2cp2sp")

@@ -213,7 +213,7 @@ def _elastic_worker(membership, opts):
     vocab = build_model(opts).get_input_embeddings().num_embeddings
     dataset = load_dataset(opts, vocab)
     order = D.SampleOrder(len(dataset), opts.batch_size, seed=opts.seed)
-    multiple = math.lcm(16, *[c.tp for c in candidates if c.sp], *[c.cp for c in candidates])
+    multiple = math.lcm(16, *(c.sequence_shards for c in candidates))
     bounds = opts.buckets or D.choose_boundaries([len(s) for s in dataset], max(3, len(candidates)), multiple)
 
     def batch(step):

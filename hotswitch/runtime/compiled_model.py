@@ -97,6 +97,7 @@ class CompiledModel:
             report("tracing the model (torch.export, core ATen, joint forward + backward graph)")
             logic, self.logic_source = trace_once(model, example_inputs, self._cache)
         self.logic: LogicGraph = logic
+        self._sequence_inputs = logic.sequence_inputs()  # per input: is dim 1 the sequence (cp splits it)
         self.call: ModelCall = self.logic.call or ModelCall.of(model, example_inputs)
         self._example_inputs = self.call.flatten_example(example_inputs)  # its tensors, in the graphs' order
         self._warned_unsharded = False
@@ -330,13 +331,8 @@ class CompiledModel:
         st = self._states[self._active]
         dp = st.config.dp
         index = self._coordinate(st, "dp")
-        batch = global_inputs[0].shape[0]
-        if batch < dp:
-            raise ValueError(
-                f"a global batch of {batch} cannot be split over dp={dp} ranks: use a batch of at least {dp}"
-            )
-        self._check_split(st, tuple(tuple(x.shape) for x in global_inputs))
-        along_seq = dict(zip(map(id, global_inputs), self.logic.sequence_inputs()))
+        self._check_split(st, tuple(tuple(x.shape) for x in global_inputs))  # batch >= dp, cp divides lengths
+        along_seq = dict(zip(map(id, global_inputs), self._sequence_inputs))
         cp, cp_index = st.config.cp, self._coordinate(st, "cp")
 
         def split(x):
@@ -647,7 +643,7 @@ class CompiledModel:
             cp = st.config.cp
             self._global_shapes[key] = tuple(
                 (batch, x.shape[1] * cp, *x.shape[2:]) if cp > 1 and along_seq else (batch, *x.shape[1:])
-                for x, along_seq in zip(local_inputs, self.logic.sequence_inputs()))
+                for x, along_seq in zip(local_inputs, self._sequence_inputs))
         return self._global_shapes[key]
 
     def _warn_unsharded(self, st: ConfigState, rows: int) -> None:
@@ -675,8 +671,8 @@ class CompiledModel:
         """An uneven data-parallel split is exact only for a loss written as sum / count; context
         parallelism splits the sequence evenly."""
         cp = st.config.cp
-        for shape, along_seq in zip(shapes, self.logic.sequence_inputs()):
-            if cp > 1 and along_seq and shape[1] % cp:
+        for shape, along_seq in zip(shapes, self._sequence_inputs if cp > 1 else ()):
+            if along_seq and shape[1] % cp:
                 raise ValueError(
                     f"{st.config.name!r} splits the sequence over cp={cp} ranks, but the inputs have {shape[1]} "
                     f"positions: use a sequence length divisible by {cp} (pad the rows), or a config without cp"
@@ -749,7 +745,7 @@ class CompiledModel:
         dp, index, cp = st.config.dp, self._coordinate(st, "dp"), st.config.cp
         return tuple((_split_size(s[0], dp, index), s[1] // cp, *s[2:]) if cp > 1 and along_seq
                      else (_split_size(s[0], dp, index), *s[1:])
-                     for s, along_seq in zip(shapes, self.logic.sequence_inputs()))
+                     for s, along_seq in zip(shapes, self._sequence_inputs))
 
     def _program(self, st: ConfigState, local_shapes: tuple, *, train: bool, reduce: bool) -> StageProgram:
         """This rank's lowered programs for local (micro-)batches of `local_shapes`, lowered on first

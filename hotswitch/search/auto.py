@@ -82,7 +82,7 @@ def auto_configs(model: torch.nn.Module, measure: Callable[[list[DistConfig], li
     space = enumerate_configs(workload, topology)
     probe_configs = calibration_configs(space.configs)
     probe_lengths = sorted({lengths[0], lengths[-1]})
-    probe_lengths = [L for L in probe_lengths if all(not c.sp or L % c.tp == 0 for c in probe_configs)] or lengths
+    probe_lengths = [L for L in probe_lengths if all(L % c.sequence_shards == 0 for c in probe_configs)] or lengths
     say(f"auto configs: measuring {', '.join(c.name for c in probe_configs)} at lengths {probe_lengths} "
         "to calibrate the cost model")
     probes, switch_probes, comm = measure(list(space.configs), probe_configs, probe_lengths)

@@ -284,8 +284,9 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
     for length, tokens in shares.items():
         priced = []
         for c in space.configs:
-            if c.sp and length % c.tp:
-                pruned.append((c.name, f"length {length} is not a multiple of tp={c.tp} (SP shards the sequence)"))
+            if length % c.sequence_shards:
+                pruned.append((c.name, f"length {length} is not a multiple of {c.sequence_shards} (the sequence's "
+                                       "shards under SP or CP)"))
                 continue
             priced.append(estimate(workload, c, length, tokens, topology, base_rates,
                                    micro_batch_tokens=micro_batch_tokens, comm=comm.get(c.name)))

@@ -40,7 +40,7 @@ def profile_space(build_model: Callable[[], torch.nn.Module], workload: Workload
     flat = [c for c in enumerate_configs(workload, topology).configs if c.pp == 1]
     jobs = [(c, lengths[0]) for c in flat]
     jobs += [(c, lengths[-1]) for c in calibration_configs(flat) if lengths[-1] != lengths[0]]
-    jobs = [(c, length) for c, length in jobs if not (c.sp and length % c.tp)]
+    jobs = [(c, length) for c, length in jobs if length % c.sequence_shards == 0]
     probes, comm = [], {}
     for i, (config, length) in enumerate(jobs):
         rows = config.dp * rows_per_replica(length, micro_batch_tokens)

@@ -203,9 +203,7 @@ class Trainer:
         self.zero1 = bool(zero1)
         self.prefetch = prefetch
         self.profile_repeats = profile_repeats
-        # sequence and context parallelism split every length evenly over tp (sp) or cp ranks
-        seq_degrees = [c.tp for c in self.configs if c.sp] + [c.cp for c in self.configs if c.cp > 1]
-        self.length_multiple = math.lcm(length_multiple, *seq_degrees) if seq_degrees else length_multiple
+        self.length_multiple = math.lcm(length_multiple, *(c.sequence_shards for c in self.configs))
         self._report = progress or (lambda message: None)
         self._num_buckets = num_buckets or max(3, len(self.configs))
         self._boundaries: tuple[int, ...] | None = None
