@@ -1,0 +1,120 @@
+"""Document-causal attention under context parallelism on 4 gloo processes, the token placement as
+data (`runtime.cp_attention` over `distconfig.tokens`): outputs and gradients equal one device's,
+and the keys/values move in one all-to-all of exactly the planned sizes, or not at all."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from hotswitch.distconfig.tokens import Documents, document_placement, zigzag_placement
+from hotswitch.models import document_causal_mask
+from hotswitch.runtime.cp_attention import CPAttentionPlan, cp_attention
+from tests.distributed import dist_fixture
+
+BATCHES = {
+    "mixed rows": ([[7, 5, 4], [3, 13], [16], [1, 2, 11]], 16),  # the last row padded by 2 tokens
+    "one long document": ([[64]], 64),
+    "skewed": ([[40, 9, 6, 4, 3, 2], [22, 21, 13, 7, 1], [50, 14]], 64),
+}
+
+
+def _attention_on_one_device(docs, heads, kv_heads, head_dim=8, seed=0):
+    """q, k, v, the output's weight w ([rows, T, heads, d]) and the reference output and gradients."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (docs.num_rows, docs.row_length)
+    q, w = torch.randn(*shape, heads, head_dim, generator=g), torch.randn(*shape, heads, head_dim, generator=g)
+    k, v = torch.randn(*shape, kv_heads, head_dim, generator=g), torch.randn(*shape, kv_heads, head_dim, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mask = document_causal_mask(torch.tensor(docs.positions()))
+    y = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in leaves), attn_mask=mask,
+                                       enable_gqa=heads != kv_heads).transpose(1, 2)
+    (y * w).sum().backward()
+    return (q, k, v, w), (y.detach(), *(t.grad for t in leaves))
+
+
+def _worst_error(placement, heads, kv_heads):
+    inputs, expected = _attention_on_one_device(placement.documents, heads, kv_heads)
+    plan = CPAttentionPlan.build(placement, dist.get_rank())
+    q, k, v = (plan.shard(t).requires_grad_() for t in inputs[:3])
+    out = cp_attention(q, k, v, plan)
+    (out * plan.shard(inputs[3])).sum().backward()
+    got = (out, q.grad, k.grad, v.grad)
+    return max((a - plan.shard(b)).abs().max().item() for a, b in zip(got, expected))
+
+
+def check_outputs_and_gradients_match_one_device():
+    """Every batch, both placements, multi-head and grouped-query attention; plus the cut of the
+    long document (the document placement has to split it, with zero exchange elsewhere)."""
+    errors = {}
+    for name, (rows, row_length) in BATCHES.items():
+        docs = Documents.from_rows(rows, row_length)
+        for placement in (zigzag_placement(docs, 4), document_placement(docs, 4)):
+            for heads, kv_heads in ((4, 4), (4, 2)):
+                errors[name, placement.kind, heads, kv_heads] = _worst_error(placement, heads, kv_heads)
+    return errors
+
+
+class _CountAllToAll:
+    """Records the (received, sent) row counts of every all_to_all_single; restores it on exit."""
+
+    def __enter__(self):
+        self.calls, self._original = [], dist.all_to_all_single
+
+        def counting(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+            self.calls.append((list(output_split_sizes), list(input_split_sizes)))
+            return self._original(output, input, output_split_sizes, input_split_sizes, **kwargs)
+
+        dist.all_to_all_single = counting
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single = self._original
+
+
+def check_collectives_follow_the_plan():
+    """Short documents only: the document placement sends nothing (no collective at all), the
+    zigzag one runs one all-to-all forward and one backward, sized by its fetch plan."""
+    docs = Documents.from_rows([[8] * 8, [8] * 8])
+    rank, calls = dist.get_rank(), {}
+    for placement in (document_placement(docs, 4), zigzag_placement(docs, 4)):
+        with _CountAllToAll() as counter:
+            error = _worst_error(placement, 4, 2)
+        planned = [sum(len(s) for s in placement.fetch[rank][src]) for src in range(4)]
+        calls[placement.kind] = (counter.calls, planned, error)
+    return calls
+
+
+def check_wrong_shard_names_the_fix():
+    plan = CPAttentionPlan.build(document_placement(Documents.from_rows([[8] * 8]), 4), dist.get_rank())
+    x = torch.zeros(3, 2, 4)
+    try:
+        cp_attention(x, x, x, plan)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+pytestmark = pytest.mark.slow  # spawns gloo processes
+results = dist_fixture(4, [check_outputs_and_gradients_match_one_device, check_collectives_follow_the_plan,
+                           check_wrong_shard_names_the_fix])
+
+
+def test_outputs_and_gradients_equal_one_device(results):
+    for errors in results["check_outputs_and_gradients_match_one_device"].raise_if_failed():
+        assert len(errors) == 12 and all(e <= 1e-5 for e in errors.values()), errors
+
+
+def test_keys_and_values_move_as_planned(results):
+    for rank, calls in enumerate(results["check_collectives_follow_the_plan"].raise_if_failed()):
+        assert calls["document"][0] == []  # every document whole on one rank: no all-to-all
+        zigzag_calls, planned, error = calls["zigzag"]
+        assert len(zigzag_calls) == 2, zigzag_calls  # forward, backward
+        forward, backward = zigzag_calls
+        assert forward[0] == planned and backward[1] == planned  # gradients go back the way values came
+        assert sum(planned) > 0 and error <= 1e-5 and calls["document"][2] <= 1e-5
+
+
+def test_a_wrong_shard_is_refused_with_the_fix(results):
+    for message in results["check_wrong_shard_names_the_fix"].raise_if_failed():
+        assert message and "plan.shard" in message and "holds 16 tokens" in message
