@@ -16,7 +16,7 @@ Work is counted in attended (query, key) pairs under the document-causal mask: L
 document of L tokens, split exactly between the ranks that hold its queries. Balance bound of
 `document_placement` (the list-scheduling bound, checked by tests/test_tokens.py): the busiest rank
 does at most (1 + balance) x the mean work, plus 2L pairs per cut document of L tokens (zigzag
-chunks of unequal size when they do not divide L).
+chunks of unequal size when they do not divide L), plus one pair (a one-token document is never cut).
 """
 
 from __future__ import annotations
@@ -201,9 +201,7 @@ def document_placement(documents: Documents, cp: int, balance: float = 0.1) -> C
     if not balance > 0:
         raise ValueError(f"balance must be positive, got {balance!r}")
     share = documents.work / cp
-    for threshold in (math.inf, 2.0, 1.0, 0.5, 0.25, balance):
-        if threshold < balance:
-            continue
+    for threshold in (*(t for t in _CUT_THRESHOLDS if t > balance), balance):
         per_rank = _place_pieces(documents, cp, threshold * share)
         works = [sum(s.work for s in segs) for segs in per_rank]
         if max(works) <= (1 + balance) * share or threshold == balance:
@@ -219,6 +217,11 @@ def document_placement(documents: Documents, cp: int, balance: float = 0.1) -> C
         return Segment(seg.doc, seg.start, min(seg.stop, limit)) if seg.start < limit else None
 
     return CPPlacement("document", cp, documents, segments, _fetches(segments, needed))
+
+
+# Cut thresholds tried, in shares of a rank's work, before `balance` itself: from "cut nothing" down,
+# so the first placement within the balance cuts as few documents into as few pieces as it can
+_CUT_THRESHOLDS = (math.inf, *(2 ** (-e / 2) for e in range(-2, 12)))
 
 
 def _place_pieces(documents: Documents, cp: int, cut_above: float) -> list[list[Segment]]:

@@ -92,7 +92,7 @@ def test_help_is_plain_text_with_every_option_explained_and_defaults_shown():
     for command in ("hotswitch demo", "hotswitch train", "hotswitch bench train"):
         for option in ("--world-size", "--configs", "--batch-size", "--seq-len", "--json"):
             assert command in seen[option], (command, option)
-    for command in ("hotswitch bench switch", "hotswitch bench elastic", "hotswitch plan"):
+    for command in ("hotswitch bench switch", "hotswitch bench elastic", "hotswitch bench cp", "hotswitch plan"):
         assert command in seen["--json"], command
 
 
@@ -103,7 +103,7 @@ def test_help_imports_no_torch():
         "import sys, contextlib, io\n"
         "from hotswitch.cli import main\n"
         "for argv in ([], ['demo'], ['train'], ['bench'], ['bench', 'switch'], ['bench', 'train'],\n"
-        "             ['bench', 'elastic'], ['plan']):\n"
+        "             ['bench', 'elastic'], ['bench', 'cp'], ['plan']):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "        main(argv + ['--help'])\n"
         "heavy = sorted(m for m in ('torch', 'numpy', 'transformers', 'hotswitch.compiler') if m in sys.modules)\n"

@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hotswitch.distconfig.tokens import Documents, _pairs, document_placement, zigzag_placement
-from hotswitch.train.data import pack_rows, synthetic_skewed
 
 
 @st.composite
@@ -63,7 +62,8 @@ def test_document_placement_is_complete_minimal_and_balanced(docs, cp, balance):
     # the list-scheduling bound, with the zigzag chunks' rounding of split documents
     split = [d for d in range(len(docs.lengths)) if sum(s.doc == d for r in range(cp) for s in p.segments[r]) > 1]
     mean = docs.work / cp
-    assert max(p.work(r) for r in range(cp)) <= (1 + balance) * mean + 2 * sum(docs.lengths[d] for d in split)
+    bound = (1 + balance) * mean + 2 * sum(docs.lengths[d] for d in split) + 1
+    assert max(p.work(r) for r in range(cp)) <= bound
     # a document placed whole costs no exchange: only split documents are fetched
     assert {s.doc for r in range(cp) for row in p.fetch[r] for s in row} <= set(split)
 
@@ -116,12 +116,20 @@ def test_bad_input_names_the_fix():
 
 @pytest.mark.parametrize("row_length", [1024, 2048, 4096])
 def test_document_placement_fetches_at_most_half_of_zigzag_on_skewed_batches(row_length):
-    """The issue's bound on the synthetic-skewed lengths `hotswitch bench cp` uses, over 5 seeds."""
-    for seed in range(5):
-        lengths = [len(s) for s in synthetic_skewed(64, 100, row_length, seed=seed)]
-        rows = pack_rows(lengths, list(range(len(lengths))), row_length)[:4]
-        docs = Documents.from_rows([[lengths[i] for i in row] for row in rows], row_length)
-        static, aware = zigzag_placement(docs, 4), document_placement(docs, 4)
-        fetched = [sum(p.fetched_tokens(r) for r in range(4)) for p in (static, aware)]
-        assert fetched[1] <= 0.5 * fetched[0], (row_length, seed, fetched)
-        assert aware.imbalance <= static.imbalance, (aware.imbalance, static.imbalance)
+    """The issue's bound on the batches `hotswitch bench cp` measures, 10 seeds each. Four rows:
+    at most half on every batch. One row: never more than zigzag (a row that is one document is cut
+    exactly as zigzag cuts it) and at most half over the 10 batches together. The work stays within
+    the default balance, 1.1 x the mean, on all of them."""
+    from hotswitch.bench.cp import skewed_batch
+
+    single = [0, 0]
+    for seed in range(10):
+        for rows in (1, 4):
+            docs = skewed_batch(row_length, rows, seed)
+            static, aware = zigzag_placement(docs, 4), document_placement(docs, 4)
+            fetched = [sum(p.fetched_tokens(r) for r in range(4)) for p in (static, aware)]
+            assert fetched[1] <= (0.5 if rows == 4 else 1.0) * fetched[0], (rows, seed, fetched)
+            assert aware.imbalance <= 1.1, (rows, seed, aware.imbalance)
+            if rows == 1:
+                single = [single[0] + fetched[0], single[1] + fetched[1]]
+    assert single[1] <= 0.5 * single[0], single

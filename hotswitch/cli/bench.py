@@ -1,4 +1,4 @@
-"""`hotswitch bench switch|train|elastic`: the benchmarks' command lines (the measurements live in
+"""`hotswitch bench switch|train|elastic|gpu|cp`: the benchmarks' command lines (the measurements live in
 `hotswitch.bench`)."""
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ __all__ = ["add_parser"]
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks: switch, train, elastic", formatter_class=HelpFormatter,
+    p = subparsers.add_parser("bench", help="benchmarks: switch, train, elastic, gpu, cp",
+                              formatter_class=HelpFormatter,
                               description="Measure what hot switching costs and gains; 'hotswitch bench BENCH --help' "
                               "describes each.")
     sub = p.add_subparsers(title="benchmarks", metavar="BENCH")
@@ -77,6 +78,23 @@ def add_parser(subparsers) -> None:
     q.add_argument("--dry-run", action="store_true", help="check the configuration and exit (no GPU needed)")
     add_json_argument(q, "bench_gpu.json", "the results")
     q.set_defaults(run=run_bench_gpu)
+
+    q = sub.add_parser("cp", help="context parallelism on skewed packed batches: static zigzag CP vs "
+                       "document-aware CP vs TP+SP, attention time and bytes exchanged",
+                       description=_docstring("hotswitch.bench.cp"), formatter_class=HelpFormatter)
+    q.add_argument("--world-size", type=int, default=4, help="processes to spawn (the cp and tp degree)")
+    q.add_argument("--row-lengths", default="1024,2048,4096", help="tokens per packed row, one batch each")
+    q.add_argument("--rows", default="1,4", help="packed rows per batch, one batch each")
+    q.add_argument("--dim", type=int, default=256, help="model width")
+    q.add_argument("--heads", type=int, default=8, help="attention heads")
+    q.add_argument("--kv-heads", type=int, default=4, help="key/value heads (grouped-query attention when fewer)")
+    q.add_argument("--balance", type=float, default=0.1, help="document CP keeps the busiest rank's attention work "
+                   "within (1 + BALANCE) x the mean")
+    q.add_argument("--repeats", type=int, default=3, help="timed steps per layout; the median is reported")
+    q.add_argument("--seed", type=int, default=0, help="seed of the sequence lengths and the weights")
+    add_json_argument(q, "bench_cp.json", "the results")
+    q.add_argument("--plot", default="bench_cp.png", metavar="PATH", help="where to draw the chart")
+    q.set_defaults(run=run_bench_cp)
     p.set_defaults(run=lambda args: p.print_help() or 2)
 
 
@@ -101,6 +119,21 @@ def run_bench_elastic(args) -> int:
     from hotswitch.bench import elastic as bench_elastic
 
     return bench_elastic.run(args.model, args.repeats, args.json)
+
+
+def run_bench_cp(args) -> int:
+    from hotswitch.bench import cp
+
+    try:
+        row_lengths, rows = (tuple(int(n) for n in text.split(",") if n.strip()) for text in (args.row_lengths,
+                                                                                              args.rows))
+    except ValueError:
+        print(f"hotswitch bench cp: --row-lengths and --rows take integers separated by commas, got "
+              f"{args.row_lengths!r} and {args.rows!r}", file=sys.stderr)
+        return 2
+    return cp.run(cp.CpBenchOptions(world_size=args.world_size, row_lengths=row_lengths, rows=rows, dim=args.dim,
+                                    heads=args.heads, kv_heads=args.kv_heads, repeats=args.repeats, seed=args.seed,
+                                    balance=args.balance, json_path=args.json, png_path=args.plot))
 
 
 def run_bench_gpu(args) -> int:

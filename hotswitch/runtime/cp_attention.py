@@ -21,7 +21,9 @@ from hotswitch.distconfig.tokens import CPPlacement
 
 __all__ = ["AttentionGroup", "CPAttentionPlan", "cp_attention"]
 
-GROUP_QUERIES = 256  # whole documents are batched into one attention call up to this many queries
+GROUP_QUERIES = 256  # short documents share one attention call up to this many queries; a long one is cut
+# into blocks of this many queries, each attending only to the keys up to its last position (so the dense
+# mask wastes at most a block's triangle, not half the document's square)
 
 
 @dataclass(frozen=True, eq=False)
@@ -65,8 +67,8 @@ class CPAttentionPlan:
                                                                                base[(seg.doc, seg.start)] + len(seg)))
         received = [seg for source in range(cp) for seg in placement.fetch[rank][source]]
         docs = [s.doc for segs in (local, received) for s in segs for _ in range(len(s))]
-        positions = torch.tensor([p for segs in (local, received) for s in segs for p in range(s.start, s.stop)],
-                                 dtype=torch.long)
+        position = [p for segs in (local, received) for s in segs for p in range(s.start, s.stop)]
+        positions = torch.tensor(position, dtype=torch.long)
         n = at
         keys_of: dict[int, list[int]] = {}  # doc -> indices of its keys (local first, then received)
         for i, doc in enumerate(docs):
@@ -74,24 +76,33 @@ class CPAttentionPlan:
         doc_ids = torch.tensor(docs, dtype=torch.long)
         groups, order, pending = [], [], []
 
+        def emit(queries: list[int], keys: list[int]):
+            q, k = torch.tensor(queries, dtype=torch.long), torch.tensor(keys, dtype=torch.long)
+            mask = (doc_ids[q, None] == doc_ids[None, k]) & (positions[None, k] <= positions[q, None])
+            groups.append(AttentionGroup(q, k, mask))
+            order.append(q)
+
         def close():
-            if not pending:
-                return
-            queries = torch.tensor([i for d in pending for i in keys_of[d] if i < n], dtype=torch.long)
-            keys = torch.tensor([i for d in pending for i in keys_of[d]], dtype=torch.long)
-            mask = (doc_ids[queries, None] == doc_ids[None, keys]) & (positions[None, keys] <= positions[queries, None])
-            groups.append(AttentionGroup(queries, keys, mask))
-            order.append(queries)
-            pending.clear()
+            if pending:
+                emit([i for d in pending for i in keys_of[d] if i < n], [i for d in pending for i in keys_of[d]])
+                pending.clear()
 
         count = 0
         for doc in sorted({s.doc for s in local}):
-            size = sum(1 for i in keys_of[doc] if i < n)
-            if count and count + size > group_queries:
+            queries = sorted((i for i in keys_of[doc] if i < n), key=position.__getitem__)
+            if len(queries) > group_queries:  # a long document: blocks of queries, each with the keys it sees
+                close()
+                count = 0
+                for b in range(0, len(queries), group_queries):
+                    block = queries[b:b + group_queries]
+                    last = position[block[-1]]
+                    emit(block, [i for i in keys_of[doc] if position[i] <= last])
+                continue
+            if count and count + len(queries) > group_queries:
                 close()
                 count = 0
             pending.append(doc)
-            count += size
+            count += len(queries)
         close()
         restore = torch.empty(n, dtype=torch.long)
         if order:
