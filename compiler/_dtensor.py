@@ -30,7 +30,7 @@ __all__ = [
     "DTensorSpec", "DeviceMesh", "OpSchema", "OutputSharding", "Partial", "Placement", "Replicate",
     "Shard", "StridedShard", "make_spec", "propagate", "propagation", "redistribute", "local_shape", "has_rule",
     "torch_functions", "from_local", "encode_placements", "decode_placements", "encode_spec", "decode_spec",
-    "MaskPartial",
+    "MaskPartial", "register_mesh_dim_strategies",
 ]
 
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: E402
@@ -226,6 +226,22 @@ def from_local(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence[Place
     shape = tuple(shape)
     return DTensor.from_local(local, mesh, tuple(placements), run_check=False, shape=shape,
                               stride=torch.empty(shape, device="meta").stride())
+
+
+def register_mesh_dim_strategies(op, strategies, num_outputs: int, is_valid=None) -> None:
+    """Give DTensor a sharding rule for one of our own ops: `strategies(op_schema)` lists, for one mesh
+    dim, acceptable placements (outputs first, then inputs); DTensor expands them over every mesh
+    dim and prices the redistributions. `is_valid(mesh, input_specs, output_spec)` drops
+    combinations (a placement allowed on one named axis only). Registering a rule for an op torch
+    does not know changes nothing torch does for its own ops."""
+
+    def strategy(op_schema: OpSchema):
+        mesh = op_schema.get_mesh_from_args()
+        valid = None if is_valid is None else (lambda ins, out: is_valid(mesh, ins, out))
+        return _op_utils.expand_to_full_mesh_op_strategy(mesh, op_schema, strategies(op_schema),
+                                                         input_index=num_outputs, is_valid_strategy_cb=valid)
+
+    _op_utils.register_op_strategy(op)(strategy)
 
 
 def has_rule(op) -> bool:

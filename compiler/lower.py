@@ -29,9 +29,12 @@ import torch.fx as fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _dtensor as dt
+from . import attention as _attention
 from ._dtensor import OpSchema
 from ._torch import FakeTensorMode, OpOverload, op_schema, pytree
 from .tp_rules import VIEW_OPS
+
+_attention.register()  # document_attention's rule, beside DTensor's for aten ops
 
 aten = torch.ops.aten
 

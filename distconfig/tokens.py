@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["CPPlacement", "Documents", "Segment", "document_placement", "zigzag_placement"]
+__all__ = ["CPPlacement", "Documents", "Segment", "document_fetch", "document_placement", "segments_of", "zigzag_placement"]
 
 
 def _pairs(start: int, stop: int) -> int:
@@ -152,6 +152,18 @@ class CPPlacement:
         return range(at + segment.start, at + segment.stop)
 
 
+def segments_of(documents: Sequence[int], positions: Sequence[int]) -> tuple[Segment, ...]:
+    """A rank's tokens (document id and position each, in its local order) as segments: runs of
+    one document at consecutive positions."""
+    out: list[Segment] = []
+    for doc, pos in zip(documents, positions):
+        if out and out[-1].doc == doc and out[-1].stop == pos:
+            out[-1] = Segment(doc, out[-1].start, pos + 1)
+        else:
+            out.append(Segment(doc, pos, pos + 1))
+    return tuple(out)
+
+
 def _zigzag_cuts(length: int, cp: int) -> list[tuple[int, int]]:
     """Rank i's chunks i and 2cp-1-i of `length` tokens cut into 2cp near-equal chunks."""
     bounds = [length * j // (2 * cp) for j in range(2 * cp + 1)]
@@ -207,7 +219,14 @@ def document_placement(documents: Documents, cp: int, balance: float = 0.1) -> C
         if max(works) <= (1 + balance) * share or threshold == balance:
             break
     segments = tuple(tuple(sorted(s)) for s in per_rank)
-    query_end = [{} for _ in range(cp)]  # rank -> doc -> last query position + 1
+    return CPPlacement("document", cp, documents, segments, document_fetch(segments))
+
+
+def document_fetch(segments: Sequence[Sequence[Segment]]) -> tuple[tuple[tuple[Segment, ...], ...], ...]:
+    """fetch[r][s] when every rank fetches only what its own queries attend to: of each other rank's
+    segments, the part of a document rank r holds queries of, up to r's last query in it. Holds for
+    any layout of the tokens (the runtime uses it for whatever order shard_inputs chose)."""
+    query_end = [{} for _ in segments]  # rank -> doc -> last query position + 1
     for r, segs in enumerate(segments):
         for s in segs:
             query_end[r][s.doc] = max(query_end[r].get(s.doc, 0), s.stop)
@@ -216,7 +235,7 @@ def document_placement(documents: Documents, cp: int, balance: float = 0.1) -> C
         limit = query_end[r].get(seg.doc, 0)
         return Segment(seg.doc, seg.start, min(seg.stop, limit)) if seg.start < limit else None
 
-    return CPPlacement("document", cp, documents, segments, _fetches(segments, needed))
+    return _fetches(segments, needed)
 
 
 # Cut thresholds tried, in shares of a rank's work, before `balance` itself: from "cut nothing" down,

@@ -94,7 +94,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
         self.rope = cfg.position == "rope"
 
-    def forward(self, x, cos, sin, mask=None):
+    def forward(self, x, cos, sin, mask=None, positions=None, documents=None):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -102,6 +102,11 @@ class Attention(nn.Module):
         if self.rope:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
+        if documents is not None:  # the mask from data: tokens may be laid out in any order
+            from hotswitch.kernels.attention import document_attention
+
+            y = document_attention(q, k, v, positions, documents)
+            return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
         if self.n_kv_heads != self.n_heads:
             rep = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)
@@ -134,8 +139,8 @@ class Block(nn.Module):
         self.attn_norm, self.attn = Norm(cfg.dim, cfg.norm), Attention(cfg)
         self.mlp_norm, self.mlp = Norm(cfg.dim, cfg.norm), MLP(cfg)
 
-    def forward(self, x, cos, sin, mask=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
+    def forward(self, x, cos, sin, mask=None, positions=None, documents=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask, positions, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -144,7 +149,10 @@ class GPT(nn.Module):
     (labels are the targets already aligned with `input_ids`; -100 is ignored), or logits without labels.
 
     `position_ids` ([B, T]) and a boolean `attention_mask` ([B, 1, T, T], True = attend) let a row
-    hold several packed sequences, as Hugging Face models take them.
+    hold several packed sequences, as Hugging Face models take them. With `document_ids` ([B, T],
+    unique per batch) instead of a mask, attention is `hotswitch.kernels.attention.document_attention`:
+    its mask comes from the ids and positions, not from the tokens' order, so context parallelism may
+    lay tokens out as it likes (zigzag chunks, whole documents per rank).
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -170,8 +178,10 @@ class GPT(nn.Module):
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, input_ids, labels=None, position_ids=None, attention_mask=None):
+    def forward(self, input_ids, labels=None, position_ids=None, attention_mask=None, document_ids=None):
         t = input_ids.shape[1]
+        if document_ids is not None and position_ids is None:
+            raise ValueError("document_ids need position_ids: the document-causal mask compares positions")
         x = self.embed(input_ids)
         cos = sin = None
         positions = torch.arange(t, device=input_ids.device) if position_ids is None else position_ids
@@ -182,7 +192,7 @@ class GPT(nn.Module):
             if position_ids is not None:  # [B, 1, T, head_dim]: per-row positions, broadcast over heads
                 cos, sin = F.embedding(position_ids, cos).unsqueeze(1), F.embedding(position_ids, sin).unsqueeze(1)
         for layer in self.layers:
-            x = layer(x, cos, sin, attention_mask)
+            x = layer(x, cos, sin, attention_mask, position_ids, document_ids)
         logits = self.lm_head(self.norm(x))
         if labels is None:
             return logits
@@ -227,12 +237,21 @@ def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     return (same_doc & causal).unsqueeze(1)
 
 
+def document_ids_of(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T] document id of every token, unique over the batch: the flat index of its document's
+    first token (a document starts where its position is 0, as in `document_causal_mask`)."""
+    b, t = position_ids.shape
+    starts = torch.where(position_ids == 0, torch.arange(b * t, device=position_ids.device).view(b, t), 0)
+    return starts.cummax(dim=1).values
+
+
 class PackedCausalLMLoss(nn.Module):
-    """Any causal LM as the loss the trainer compiles: forward(input_ids, position_ids, labels).
+    """Any causal LM as the loss the trainer compiles: forward(input_ids, position_ids, labels[, document_ids]).
 
     The model's forward takes `input_ids` (and `position_ids`, `attention_mask`) and returns logits
     or an object with `.logits` (Hugging Face). Rows may hold several sequences: positions restart
-    per sequence and the attention mask keeps each within its own. The loss is written as
+    per sequence and the attention mask keeps each within its own. With `document_ids`
+    (`document_ids_of(position_ids)`), a model that reads them gets those instead of a mask. The loss is written as
     `sum of token losses / number of target tokens`, which the tracer splits so that micro-batches
     and uneven data-parallel shards can be weighted by their token counts exactly.
     """
@@ -244,17 +263,23 @@ class PackedCausalLMLoss(nn.Module):
         self.takes_positions = "position_ids" in params
         self.takes_mask = "attention_mask" in params
         self.takes_cache = "use_cache" in params
+        self.takes_documents = "document_ids" in params
 
     @property
     def can_pack(self) -> bool:
         """Packing several sequences per row needs both restartable positions and a mask."""
         return self.takes_positions and self.takes_mask
 
-    def forward(self, input_ids, position_ids, labels):
+    def forward(self, input_ids, position_ids, labels, document_ids=None):
         kwargs = {}
         if self.takes_positions:
             kwargs["position_ids"] = position_ids
-        if self.takes_mask:
+        if document_ids is not None:
+            if not self.takes_documents:
+                raise ValueError(f"{type(self.model).__name__}.forward takes no document_ids: give them only to a "
+                                 "model whose attention reads them (hotswitch.models.GPT)")
+            kwargs["document_ids"] = document_ids
+        elif self.takes_mask:
             kwargs["attention_mask"] = document_causal_mask(position_ids)
         if self.takes_cache:
             kwargs["use_cache"] = False

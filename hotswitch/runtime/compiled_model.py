@@ -6,6 +6,7 @@ cached), and the local shards of the active config's parameters and gradients.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -371,12 +372,14 @@ class CompiledModel:
         local_inputs = self._on_device(self.call.flatten(args, kwargs, what="forward_backward"))
         st = self._states[self._active]
         if micro_batches != 1 or st.config.pp > 1:
-            return self._pipelined(st, local_inputs, micro_batches, schedule, grad_scale, train=True)
+            with self._attention(st):
+                return self._pipelined(st, local_inputs, micro_batches, schedule, grad_scale, train=True)
         shapes = self._global_input_shapes(st, local_inputs)
         self._check_split(st, shapes)
         st.last_shapes = shapes
         gm = self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=True, reduce=True).joint
-        outs = gm(*self._local_params(), *self._buffers, *local_inputs)
+        with self._attention(st):
+            outs = gm(*self._local_params(), *self._buffers, *local_inputs)
         self._add_grads(dict(zip(self.logic.param_names, outs[1:])), grad_scale)
         return outs[0].detach()
 
@@ -385,12 +388,22 @@ class CompiledModel:
         local_inputs = self._on_device(self.call.flatten(args, kwargs, what="the compiled model's call"))
         st = self._states[self._active]
         if st.config.pp > 1:
-            with torch.no_grad():
+            with torch.no_grad(), self._attention(st):
                 return self._pipelined(st, local_inputs, 1, None, 1.0, train=False)
         self._check_split(st, self._global_input_shapes(st, local_inputs))
         gm = self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=False, reduce=True).joint
-        with torch.no_grad():
+        with torch.no_grad(), self._attention(st):
             return gm(*self._local_params(), *self._buffers, *local_inputs)[0]
+
+    def _attention(self, st: ConfigState):
+        """Under cp, `document_attention` on a sequence shard fetches the keys and values other cp
+        ranks hold (`runtime.cp_attention`); elsewhere it runs on the local data as on one device."""
+        if st.config.cp == 1:
+            return contextlib.nullcontext()
+        from hotswitch.kernels.attention import local_implementation
+        from hotswitch.runtime.cp_attention import ContextParallelAttention
+
+        return local_implementation(ContextParallelAttention(self.process_group(st.config.name, "cp")))
 
     def _on_device(self, local_inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Inputs moved to the device this rank computes on (a CPU batch on an NCCL job, say)."""

@@ -1,170 +1,178 @@
-"""Document-causal attention of packed rows under context parallelism, the token placement taken
-as data (`hotswitch.distconfig.tokens`: static zigzag or document-aware).
+"""Document-causal attention under context parallelism: keys and values fetched from the ranks that
+hold them, as the token placement says (`hotswitch.distconfig.tokens`: static zigzag, document-aware,
+or whatever layout `shard_inputs` chose).
 
-Each rank holds the tokens of its segments. Keys and values move in one all-to-all whose sizes come
-from the placement (`fetch[r][s]`), so a document held whole by one rank costs no exchange at all;
-the backward returns their gradients the same way and adds them onto the owners' tokens. Attention
-is then computed per group of documents with a [queries, keys] mask built from the documents and
-positions: causal inside a document, nothing across. The plan is a handful of index tensors made
-once per batch and shared by every layer, so a new batch is new data, not a new graph.
+Keys and values move in one all-to-all whose sizes come from the placement (`fetch[r][s]`), so a
+document held whole by one rank costs no exchange at all; the backward sends their gradients back
+the same way and adds them onto the owners' tokens. Attention itself is
+`hotswitch.kernels.attention`'s grouped computation over the local and received tokens. A plan is a
+handful of index tensors made once per batch and shared by every layer, so a new batch is new data,
+not a new graph.
+
+Two entry points: `cp_attention` (tokens-first tensors and a plan built from a placement; the
+benchmark and the tests) and `ContextParallelAttention`, the implementation of
+`torch.ops.hotswitch.document_attention` that `CompiledModel` installs while a cp config runs (it
+derives the plan from the documents and positions the ranks hold, gathered once per batch).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from hotswitch.distconfig.tokens import CPPlacement
+from hotswitch.distconfig.tokens import CPPlacement, Segment, document_fetch, segments_of
+from hotswitch.kernels.attention import (
+    AttentionGroups,
+    from_tokens_first,
+    grouped_attention,
+    grouped_attention_backward,
+    tokens_first,
+)
 
-__all__ = ["AttentionGroup", "CPAttentionPlan", "cp_attention"]
-
-GROUP_QUERIES = 256  # short documents share one attention call up to this many queries; a long one is cut
-# into blocks of this many queries, each attending only to the keys up to its last position (so the dense
-# mask wastes at most a block's triangle, not half the document's square)
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionGroup:
-    """Documents attended in one call: queries (local token indices), keys (indices into the local
-    tokens followed by the received ones) and the mask between them (True = attend)."""
-
-    queries: torch.Tensor
-    keys: torch.Tensor
-    mask: torch.Tensor
+__all__ = ["CPAttentionPlan", "ContextParallelAttention", "cp_attention"]
 
 
 @dataclass(frozen=True, eq=False)
 class CPAttentionPlan:
-    """One rank's share of a `CPPlacement`: which batch tokens it holds, what it sends to and
-    receives from every rank, and its attention groups."""
+    """One rank's share of a placement: which tokens it holds, what it sends to and receives from
+    every rank, and its attention groups over its own tokens followed by the received ones."""
 
     rank: int
     local_index: torch.Tensor  # [n] flat [rows x row_length] index of each local token
-    positions: torch.Tensor  # [n] position of each local token inside its document
     send_index: torch.Tensor  # local tokens sent, grouped by destination rank
     send_counts: tuple[int, ...]
     recv_counts: tuple[int, ...]
     exchanges: bool  # whether any rank sends anything (every rank takes part in the all-to-all or none)
-    groups: tuple[AttentionGroup, ...]
-    restore: torch.Tensor  # the groups' outputs, concatenated, indexed by this give the local order
+    groups: AttentionGroups
 
     @classmethod
-    def build(cls, placement: CPPlacement, rank: int, group_queries: int = GROUP_QUERIES) -> CPAttentionPlan:
-        cp = placement.cp
-        if not 0 <= rank < cp:
-            raise ValueError(f"rank {rank} is outside a placement over cp = {cp} ranks")
-        local = placement.segments[rank]
+    def build(cls, placement: CPPlacement, rank: int) -> CPAttentionPlan:
+        """From a placement of a whole batch (`zigzag_placement`, `document_placement`): the rank's
+        tokens in the order of its segments."""
+        if not 0 <= rank < placement.cp:
+            raise ValueError(f"rank {rank} is outside a placement over cp = {placement.cp} ranks")
+        local_index = torch.tensor([i for s in placement.segments[rank] for i in placement.flat_index(s)],
+                                   dtype=torch.long)
+        return cls._make(placement.segments, placement.fetch, rank, local_index)
+
+    @classmethod
+    def from_tokens(cls, documents: list[list[int]], positions: list[list[int]], rank: int) -> CPAttentionPlan:
+        """From every rank's tokens as they lie (document id and position per token, in local
+        order), each rank fetching only what its queries attend to (`document_fetch`)."""
+        segments = tuple(segments_of(d, p) for d, p in zip(documents, positions))
+        return cls._make(segments, document_fetch(segments), rank, torch.arange(len(documents[rank])))
+
+    @classmethod
+    def _make(cls, segments, fetch, rank: int, local_index: torch.Tensor) -> CPAttentionPlan:
+        cp, local = len(segments), segments[rank]
         base, at = {}, 0  # (doc, start) of a local segment -> its first local index
         for seg in local:
             base[(seg.doc, seg.start)] = at
             at += len(seg)
-        send = []
-        for dest in range(cp):
-            send.extend(i for seg in placement.fetch[dest][rank] for i in range(base[(seg.doc, seg.start)],
-                                                                               base[(seg.doc, seg.start)] + len(seg)))
-        received = [seg for source in range(cp) for seg in placement.fetch[rank][source]]
-        docs = [s.doc for segs in (local, received) for s in segs for _ in range(len(s))]
-        position = [p for segs in (local, received) for s in segs for p in range(s.start, s.stop)]
-        positions = torch.tensor(position, dtype=torch.long)
-        n = at
-        keys_of: dict[int, list[int]] = {}  # doc -> indices of its keys (local first, then received)
-        for i, doc in enumerate(docs):
-            keys_of.setdefault(doc, []).append(i)
-        doc_ids = torch.tensor(docs, dtype=torch.long)
-        groups, order, pending = [], [], []
-
-        def emit(queries: list[int], keys: list[int]):
-            q, k = torch.tensor(queries, dtype=torch.long), torch.tensor(keys, dtype=torch.long)
-            mask = (doc_ids[q, None] == doc_ids[None, k]) & (positions[None, k] <= positions[q, None])
-            groups.append(AttentionGroup(q, k, mask))
-            order.append(q)
-
-        def close():
-            if pending:
-                emit([i for d in pending for i in keys_of[d] if i < n], [i for d in pending for i in keys_of[d]])
-                pending.clear()
-
-        count = 0
-        for doc in sorted({s.doc for s in local}):
-            queries = sorted((i for i in keys_of[doc] if i < n), key=position.__getitem__)
-            if len(queries) > group_queries:  # a long document: blocks of queries, each with the keys it sees
-                close()
-                count = 0
-                for b in range(0, len(queries), group_queries):
-                    block = queries[b:b + group_queries]
-                    last = position[block[-1]]
-                    emit(block, [i for i in keys_of[doc] if position[i] <= last])
-                continue
-            if count and count + len(queries) > group_queries:
-                close()
-                count = 0
-            pending.append(doc)
-            count += len(queries)
-        close()
-        restore = torch.empty(n, dtype=torch.long)
-        if order:
-            restore[torch.cat(order)] = torch.arange(n)
+        send = [i for dest in range(cp) for seg in fetch[dest][rank]
+                for i in range(base[(seg.doc, seg.start)], base[(seg.doc, seg.start)] + len(seg))]
+        received: list[Segment] = [seg for source in range(cp) for seg in fetch[rank][source]]
+        docs = torch.tensor([s.doc for segs in (local, received) for s in segs for _ in range(len(s))],
+                            dtype=torch.long)
+        positions = torch.tensor([p for segs in (local, received) for s in segs for p in range(s.start, s.stop)],
+                                 dtype=torch.long)
         return cls(
             rank=rank,
-            local_index=torch.tensor([i for s in local for i in placement.flat_index(s)], dtype=torch.long),
-            positions=positions[:n],
+            local_index=local_index,
             send_index=torch.tensor(send, dtype=torch.long),
-            send_counts=tuple(sum(len(s) for s in placement.fetch[dest][rank]) for dest in range(cp)),
-            recv_counts=tuple(sum(len(s) for s in placement.fetch[rank][src]) for src in range(cp)),
-            exchanges=any(placement.fetched_tokens(r) for r in range(cp)),
-            groups=tuple(groups),
-            restore=restore,
+            send_counts=tuple(sum(len(s) for s in fetch[dest][rank]) for dest in range(cp)),
+            recv_counts=tuple(sum(len(s) for s in fetch[rank][src]) for src in range(cp)),
+            exchanges=any(fetch[r][s] for r in range(cp) for s in range(cp)),
+            groups=AttentionGroups(docs, positions, at),
         )
 
     def shard(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a [rows, row_length, ...] batch tensor, in local order."""
         return batch.flatten(0, 1)[self.local_index]
 
+    def fetch(self, kv: torch.Tensor, group=None) -> torch.Tensor:
+        """The rows other ranks hold that this rank's queries need (one all-to-all)."""
+        received = kv.new_empty(sum(self.recv_counts), *kv.shape[1:])
+        dist.all_to_all_single(received, kv[self.send_index].contiguous(), list(self.recv_counts),
+                               list(self.send_counts), group=group)
+        return received
+
+    def return_grads(self, grad_received: torch.Tensor, grad_local: torch.Tensor, group=None) -> torch.Tensor:
+        """Send the gradients of fetched rows back to their owners; add the ones we get onto ours."""
+        grad_sent = grad_received.new_empty(sum(self.send_counts), *grad_received.shape[1:])
+        dist.all_to_all_single(grad_sent, grad_received.contiguous(), list(self.send_counts),
+                               list(self.recv_counts), group=group)
+        return grad_local.index_add(0, self.send_index.to(grad_local.device), grad_sent)
+
 
 class _ExchangeKeysValues(torch.autograd.Function):
-    """Forward: send each rank the local key/value rows it fetches, receive ours (one all-to-all).
-    Backward: the gradients of the received rows go back to their owners and add onto them."""
+    """Forward: fetch the rows this rank needs. Backward: their gradients go back to the owners."""
 
     @staticmethod
     def forward(ctx, kv, plan: CPAttentionPlan, group):
-        ctx.plan, ctx.group, ctx.rows = plan, group, kv.shape[0]
-        received = kv.new_empty(sum(plan.recv_counts), kv.shape[1])
-        dist.all_to_all_single(received, kv[plan.send_index].contiguous(), list(plan.recv_counts),
-                               list(plan.send_counts), group=group)
-        return received
+        ctx.plan, ctx.group = plan, group
+        return plan.fetch(kv, group)
 
     @staticmethod
     def backward(ctx, grad_received):
-        plan = ctx.plan
-        grad_sent = grad_received.new_empty(sum(plan.send_counts), grad_received.shape[1])
-        dist.all_to_all_single(grad_sent, grad_received.contiguous(), list(plan.send_counts),
-                               list(plan.recv_counts), group=ctx.group)
-        grad = grad_received.new_zeros(ctx.rows, grad_received.shape[1]).index_add_(0, plan.send_index, grad_sent)
-        return grad, None, None
+        zeros = grad_received.new_zeros(ctx.plan.local_index.numel(), *grad_received.shape[1:])
+        return ctx.plan.return_grads(grad_received, zeros, ctx.group), None, None
 
 
 def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPAttentionPlan, group=None) -> torch.Tensor:
     """Exact document-causal attention of this rank's tokens: q [n, heads, d], k and v
     [n, kv_heads, d] (grouped-query when fewer) -> [n, heads, d]. Every rank of `group` calls it
-    with its plan of the same placement."""
-    n, kv_heads, head_dim = k.shape
+    with its plan of the same placement. Differentiable (autograd through the exchange)."""
+    n = k.shape[0]
     if q.shape[0] != n or n != plan.local_index.numel():
         raise ValueError(f"rank {plan.rank} holds {plan.local_index.numel()} tokens under this placement, "
                          f"got q of {q.shape[0]} and k of {n}; shard the batch with plan.shard")
-    kv = torch.cat([k, v], dim=1).reshape(n, 2 * kv_heads * head_dim)
+    kv = torch.stack([k, v], dim=1)
     if plan.exchanges:
         kv = torch.cat([kv, _ExchangeKeysValues.apply(kv, plan, group)])
-    kv = kv.view(-1, 2, kv_heads, head_dim)
-    gqa = q.shape[1] != kv_heads
-    outs = []
-    for g in plan.groups:
-        kg, vg = kv[g.keys].unbind(1)
-        y = F.scaled_dot_product_attention(q[g.queries].transpose(0, 1), kg.transpose(0, 1), vg.transpose(0, 1),
-                                           attn_mask=g.mask, enable_gqa=gqa)
-        outs.append(y.transpose(0, 1))
-    if not outs:
-        return q.new_empty(0, q.shape[1], v.shape[2])
-    return torch.cat(outs)[plan.restore]
+    return grouped_attention(q, kv, plan.groups.to(q.device))
+
+
+class ContextParallelAttention:
+    """`document_attention` on a cp rank's shard: q, k, v [B, heads, T/cp, d] and positions and
+    document ids [B, T/cp] of the tokens this rank holds. The plan comes from every rank's ids and
+    positions (one all-gather of two small int tensors per batch, then cached), so it holds for any
+    layout of the tokens. The backward fetches the keys and values again (nothing is kept between
+    the two ops) and returns their gradients to the owners."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def _plan(self, positions: torch.Tensor, documents: torch.Tensor) -> CPAttentionPlan:
+        local = torch.stack([documents.reshape(-1), positions.reshape(-1)]).to(torch.long)
+        gathered = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(gathered, local.contiguous(), group=self.group)
+        key = torch.stack(gathered).cpu().numpy().tobytes()
+        return _plan_from_gathered(key, self.size, self.rank)
+
+    def forward(self, q, k, v, positions, documents):
+        plan = self._plan(positions, documents)
+        kv = torch.stack([tokens_first(k), tokens_first(v)], dim=1)
+        if plan.exchanges:
+            kv = torch.cat([kv, plan.fetch(kv, self.group)])
+        return from_tokens_first(grouped_attention(tokens_first(q), kv, plan.groups.to(q.device)), q.shape[0])
+
+    def backward(self, grad, q, k, v, positions, documents):
+        plan, b = self._plan(positions, documents), q.shape[0]
+        kv_local = torch.stack([tokens_first(k), tokens_first(v)], dim=1)
+        kv = torch.cat([kv_local, plan.fetch(kv_local, self.group)]) if plan.exchanges else kv_local
+        dq, dkv = grouped_attention_backward(tokens_first(q), kv, plan.groups.to(q.device), tokens_first(grad))
+        n = kv_local.shape[0]
+        dkv_local = plan.return_grads(dkv[n:], dkv[:n], self.group) if plan.exchanges else dkv
+        return from_tokens_first(dq, b), from_tokens_first(dkv_local[:, 0], b), from_tokens_first(dkv_local[:, 1], b)
+
+
+@functools.lru_cache(maxsize=4)
+def _plan_from_gathered(key: bytes, size: int, rank: int) -> CPAttentionPlan:
+    rows = torch.frombuffer(bytearray(key), dtype=torch.long).view(size, 2, -1)
+    return CPAttentionPlan.from_tokens([r[0].tolist() for r in rows], [r[1].tolist() for r in rows], rank)
