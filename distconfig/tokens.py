@@ -26,7 +26,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["CPPlacement", "Documents", "Segment", "document_fetch", "document_placement", "segments_of", "zigzag_placement"]
+__all__ = ["CPPlacement", "Documents", "Segment", "document_fetch", "document_placement", "segments_of",
+           "zigzag_placement"]
 
 
 def _pairs(start: int, stop: int) -> int:
@@ -202,19 +203,31 @@ def zigzag_placement(documents: Documents, cp: int) -> CPPlacement:
     return CPPlacement("zigzag", cp, documents, segments, _fetches(segments, needed))
 
 
-def document_placement(documents: Documents, cp: int, balance: float = 0.1) -> CPPlacement:
+def document_placement(documents: Documents, cp: int, balance: float = 0.1, equal_tokens: bool = False
+                       ) -> CPPlacement:
     """DCP-style placement: as few documents cut as keep the busiest rank within (1 + `balance`) x
     the mean work. Documents are placed longest first onto the rank with the least work (then fewest
     tokens); a document above a threshold is cut zigzag into just enough pieces to stay under it, over
     all ranks at most. Thresholds are tried from "cut nothing" down to `balance` x a rank's share,
     where the list-scheduling bound holds (module docstring). A rank fetches only the keys/values its
-    own queries attend to."""
+    own queries attend to.
+
+    `equal_tokens`: every rank holds exactly tokens / cp (a compiled program's shard has one shape):
+    documents go only where they fit whole, and a rank left over its share hands the tail of its
+    last segments to the ranks with room (cutting a document there). The balance bound is then not
+    guaranteed, only sought."""
     _check_cp(cp)
     if not balance > 0:
         raise ValueError(f"balance must be positive, got {balance!r}")
+    capacity = None
+    if equal_tokens:
+        if documents.tokens % cp:
+            raise ValueError(f"{documents.tokens} tokens do not split into {cp} equal shares; pad the rows to a "
+                             f"multiple of {cp} tokens")
+        capacity = documents.tokens // cp
     share = documents.work / cp
     for threshold in (*(t for t in _CUT_THRESHOLDS if t > balance), balance):
-        per_rank = _place_pieces(documents, cp, threshold * share)
+        per_rank = _place_pieces(documents, cp, threshold * share, capacity)
         works = [sum(s.work for s in segs) for segs in per_rank]
         if max(works) <= (1 + balance) * share or threshold == balance:
             break
@@ -243,7 +256,8 @@ def document_fetch(segments: Sequence[Sequence[Segment]]) -> tuple[tuple[tuple[S
 _CUT_THRESHOLDS = (math.inf, *(2 ** (-e / 2) for e in range(-2, 12)))
 
 
-def _place_pieces(documents: Documents, cp: int, cut_above: float) -> list[list[Segment]]:
+def _place_pieces(documents: Documents, cp: int, cut_above: float, capacity: int | None = None
+                  ) -> list[list[Segment]]:
     """Documents with more than `cut_above` pairs cut into k = ceil(work / cut_above) zigzag pieces
     (k = cp: one piece per rank, placed first); then every whole document and piece, largest first,
     onto the least loaded rank (pieces of one document may meet on a rank: less to fetch)."""
@@ -262,12 +276,37 @@ def _place_pieces(documents: Documents, cp: int, cut_above: float) -> list[list[
                     load[r][1] += hi - lo
             else:
                 items.append((sum(_pairs(lo, hi) for lo, hi in piece), sum(hi - lo for lo, hi in piece), doc, piece))
-    heap = [(w, t, r) for r, (w, t) in enumerate(load)]
-    heapq.heapify(heap)
-    for work, tokens, doc, piece in sorted(items, key=lambda it: (-it[0], it[2], it[3])):
-        w, t, r = heapq.heappop(heap)
+    items.sort(key=lambda it: (-it[0], it[2], it[3]))
+    if capacity is None:
+        heap = [(w, t, r) for r, (w, t) in enumerate(load)]
+        heapq.heapify(heap)
+        for work, tokens, doc, piece in items:
+            w, t, r = heapq.heappop(heap)
+            per_rank[r].extend(Segment(doc, lo, hi) for lo, hi in piece)
+            heapq.heappush(heap, (w + work, t + tokens, r))
+        return per_rank
+    for work, tokens, doc, piece in items:  # least work among the ranks it fits, else the emptiest
+        fits = [r for r in range(cp) if load[r][1] + tokens <= capacity]
+        r = min(fits, key=lambda r: (load[r][0], load[r][1], r)) if fits else min(range(cp), key=lambda r: load[r][1])
         per_rank[r].extend(Segment(doc, lo, hi) for lo, hi in piece)
-        heapq.heappush(heap, (w + work, t + tokens, r))
+        load[r][0] += work
+        load[r][1] += tokens
+    return _fit(per_rank, capacity)
+
+
+def _fit(per_rank: list[list[Segment]], capacity: int) -> list[list[Segment]]:
+    """Move the tail tokens of ranks over `capacity` to ranks under it, cutting segments."""
+    held = [sum(len(s) for s in segs) for segs in per_rank]
+    for r in range(len(per_rank)):
+        while held[r] > capacity:
+            seg = per_rank[r].pop()
+            dest = min(range(len(per_rank)), key=lambda d: (held[d], d))
+            move = min(len(seg), held[r] - capacity, capacity - held[dest])
+            if move < len(seg):
+                per_rank[r].append(Segment(seg.doc, seg.start, seg.stop - move))
+            per_rank[dest].append(Segment(seg.doc, seg.stop - move, seg.stop))
+            held[r] -= move
+            held[dest] += move
     return per_rank
 
 

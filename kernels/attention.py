@@ -12,8 +12,9 @@ no decomposition), the compiler shards it with its own rule (`hotswitch.compiler
 Computed per group of documents (`document_groups`): short documents share one call of
 `scaled_dot_product_attention` with a block-diagonal mask, a long one is cut into blocks of queries,
 each seeing only the keys up to its last position. The backward is an op of its own that recomputes
-each group's probabilities (none are kept between forward and backward). Under context parallelism the runtime installs an
-implementation that first fetches the keys and values other ranks hold (`local_implementation`).
+each group's probabilities (none are kept between forward and backward). Under context parallelism
+the runtime installs an implementation that first fetches the keys and values other ranks hold
+(`local_implementation`).
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hotswitch.distconfig.tokens import Documents, document_placement, zigzag_placement
-from hotswitch.models import document_causal_mask
+from hotswitch.models import PackedCausalLMLoss, build_model, document_causal_mask, document_ids_of
 from hotswitch.runtime.cp_attention import CPAttentionPlan, cp_attention
 from tests.distributed import dist_fixture
 
@@ -95,9 +95,71 @@ def check_wrong_shard_names_the_fix():
     return None
 
 
+def _packed_gpt_batch(vocab=97, seed=4):
+    """4 rows of 16 tokens holding documents of 1-16 tokens, with their ids (`document_ids_of`)."""
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths])
+                             for lengths in ([7, 5, 4], [3, 13], [16], [1, 2, 12, 1])])
+    ids = torch.randint(0, vocab, positions.shape, generator=g)
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels[positions.roll(-1, dims=1) == 0] = -100
+    return ids, positions, labels, document_ids_of(positions)
+
+
+def check_compiled_layouts_match_one_device():
+    """Our GPT with document_ids (attention = document_attention) compiled under dp2tp2 and three cp
+    configs; under cp every layout (contiguous, zigzag, document-aware) gives the single-device loss
+    and gradients. Keys and values move inside the op (all-to-all), not as the ExecGraph's all-gathers."""
+    import copy
+
+    import hotswitch as hs
+    from hotswitch.compiler.lower import collective_kind, collectives
+
+    torch.manual_seed(0)
+    model = PackedCausalLMLoss(build_model("gpt-tiny", vocab_size=97))
+    inputs = _packed_gpt_batch()
+    ref = copy.deepcopy(model)
+    loss_ref = ref(*inputs)
+    loss_ref.backward()
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    configs = ["dp2tp2", "cp4", "dp2cp2", "tp2cp2"]
+    cm = hs.compile(model, inputs, configs=configs)
+    errors, fetched = {}, {}
+    for layout in hs.runtime.compiled_model.CP_LAYOUTS:
+        cm.cp_layout = layout
+        for name in configs:
+            cm.switch(name)
+            cm.zero_grad()
+            with _CountAllToAll() as counter:
+                loss = cm.forward_backward(*cm.shard_inputs(*inputs))
+            full = cm.full_grads()
+            errors[layout, name] = (abs(loss.item() - loss_ref.item()),
+                                    max((full[n] - g).abs().max().item() for n, g in grads.items()))
+            fetched[layout, name] = sum(sum(received) for received, _ in counter.calls)
+    cm.switch("cp4")
+    forward = [collective_kind(n) for n in collectives(cm.exec_graph("cp4"), "forward")]
+    return errors, fetched, forward
+
+
+def check_moving_tokens_needs_document_ids():
+    import hotswitch as hs
+
+    torch.manual_seed(0)
+    model = PackedCausalLMLoss(build_model("gpt-tiny", vocab_size=97))
+    ids, positions, labels, _ = _packed_gpt_batch()
+    cm = hs.compile(model, (ids, positions, labels), configs=["cp4"], cp_layout="zigzag")
+    try:
+        cm.shard_inputs(ids, positions, labels)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 pytestmark = pytest.mark.slow  # spawns gloo processes
 results = dist_fixture(4, [check_outputs_and_gradients_match_one_device, check_collectives_follow_the_plan,
-                           check_wrong_shard_names_the_fix])
+                           check_wrong_shard_names_the_fix, check_compiled_layouts_match_one_device,
+                           check_moving_tokens_needs_document_ids])
 
 
 def test_outputs_and_gradients_equal_one_device(results):
@@ -118,3 +180,19 @@ def test_keys_and_values_move_as_planned(results):
 def test_a_wrong_shard_is_refused_with_the_fix(results):
     for message in results["check_wrong_shard_names_the_fix"].raise_if_failed():
         assert message and "plan.shard" in message and "holds 16 tokens" in message
+
+
+def test_compiled_cp_layouts_equal_one_device_and_move_keys_in_the_op(results):
+    values = results["check_compiled_layouts_match_one_device"].raise_if_failed()
+    for errors, fetched, forward in values:
+        assert len(errors) == 12 and all(loss <= 1e-5 and grad <= 1e-5 for loss, grad in errors.values()), errors
+        assert "all_gather" not in forward, forward  # attention's keys and values are the op's business
+        assert all(fetched[layout, "dp2tp2"] == 0 for layout in ("contiguous", "zigzag", "document"))
+    totals = {layout: sum(v[1][layout, name] for v in values for name in ("cp4", "dp2cp2", "tp2cp2"))
+              for layout in ("contiguous", "zigzag", "document")}
+    assert 0 < totals["document"] < totals["zigzag"], totals  # whole documents need no keys from elsewhere
+
+
+def test_moving_tokens_without_document_ids_names_the_fix(results):
+    for message in results["check_moving_tokens_needs_document_ids"].raise_if_failed():
+        assert message and "document_ids" in message and "cp_layout='contiguous'" in message

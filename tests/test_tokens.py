@@ -68,6 +68,16 @@ def test_document_placement_is_complete_minimal_and_balanced(docs, cp, balance):
     assert {s.doc for r in range(cp) for row in p.fetch[r] for s in row} <= set(split)
 
 
+@settings(max_examples=150, deadline=None)
+@given(packed_batches(), st.sampled_from([1, 2, 4, 8]), st.sampled_from([0.1, 1.0]))
+def test_equal_token_shares_for_a_compiled_shard(docs, cp, balance):
+    """`equal_tokens`: every rank exactly tokens / cp (one shape for the compiled program), still
+    complete, and fetching only what its queries attend to."""
+    p = document_placement(docs, cp, balance, equal_tokens=True)
+    _check_covers_and_fetches(p)
+    assert [p.tokens(r) for r in range(cp)] == [docs.tokens // cp] * cp
+
+
 @settings(max_examples=100, deadline=None)
 @given(packed_batches(), st.sampled_from([1, 2, 4, 8]))
 def test_zigzag_holds_chunks_i_and_mirror_and_fetches_the_causal_prefix(docs, cp):
@@ -110,6 +120,8 @@ def test_bad_input_names_the_fix():
         Documents.from_rows([[5, 5]], 8)
     with pytest.raises(ValueError, match="restart at 0"):
         Documents.from_positions([[1, 2, 3]])
+    with pytest.raises(ValueError, match="pad the rows to a multiple of 4"):
+        document_placement(Documents.from_rows([[5]]), 4, equal_tokens=True)
     with pytest.raises(ValueError, match="cp must be a positive int"):
         document_placement(Documents.from_rows([[4]]), 0)
 

@@ -68,7 +68,7 @@ class ConfigState:
 class CompiledModel:
     def __init__(self, model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
                  topology: Topology | None = None, lazy: bool = False, progress=None,
-                 logic: LogicGraph | None = None):
+                 logic: LogicGraph | None = None, cp_layout: str = "contiguous"):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU), on every rank")
@@ -83,6 +83,7 @@ class CompiledModel:
                 raise ValueError(f"config {c.name!r} uses {c.world_size} of the {self.world_size} processes; "
                                  f"every config must use all of them (set dp*tp*pp = {self.world_size})")
         self.strict = strict
+        self.cp_layout = cp_layout
         self.topology = topology or Topology.from_env(self.world_size)
         self._plans = PlanCache()
         self.last_switch: SwitchStats | None = None
@@ -319,12 +320,23 @@ class CompiledModel:
             list(names), lambda a, b, first: self.plan_switch(a, b, with_grads=not first).estimated_seconds, base=base
         )
 
+    @property
+    def cp_layout(self) -> str:
+        """How `shard_inputs` lays the sequence out over cp ranks (see CP_LAYOUTS)."""
+        return self._cp_layout
+
+    @cp_layout.setter
+    def cp_layout(self, layout: str) -> None:
+        if layout not in CP_LAYOUTS:
+            raise ValueError(f"unknown cp_layout {layout!r}; choose one of {', '.join(CP_LAYOUTS)}")
+        self._cp_layout = layout
+
     def shard_inputs(self, *args, **kwargs):
         """This rank's part of a global batch: every tensor input's dim 0 split over the data-parallel
         axis (torch.tensor_split sizes) and, under context parallelism, the sequence dim (dim 1) of
-        every input that has one over the cp axis (evenly). Mirrors the call: positional inputs give a tuple
-        (`cm.forward_backward(*cm.shard_inputs(*batch))`), keyword inputs a dict
-        (`cm.forward_backward(**cm.shard_inputs(**batch))`); non-tensor inputs pass through."""
+        every input that has one over the cp axis, as `cp_layout` says (CP_LAYOUTS). Mirrors the call:
+        positional inputs give a tuple (`cm.forward_backward(*cm.shard_inputs(*batch))`), keyword
+        inputs a dict (`cm.forward_backward(**cm.shard_inputs(**batch))`); non-tensor inputs pass through."""
         if args and kwargs:
             raise ValueError("shard_inputs takes the inputs either positionally or by keyword, not both, so that it "
                              "can return them in the same form (a tuple or a dict)")
@@ -335,13 +347,25 @@ class CompiledModel:
         self._check_split(st, tuple(tuple(x.shape) for x in global_inputs))  # batch >= dp, cp divides lengths
         along_seq = dict(zip(map(id, global_inputs), self._sequence_inputs))
         cp, cp_index = st.config.cp, self._coordinate(st, "cp")
+        tokens = None  # this cp rank's tokens (flat indices into the dp shard's rows), for a placed layout
+        if cp > 1 and self.cp_layout != "contiguous":
+            names = dict(zip(map(id, global_inputs), self.call.tensor_names))
+            ids = next((x for x in global_inputs if names[id(x)] == "document_ids"), None)
+            if ids is None:
+                raise ValueError(f"cp_layout={self.cp_layout!r} moves tokens, which is exact only when attention reads "
+                                 "document ids and positions: give the model a `document_ids` input "
+                                 "(hotswitch.models.PackedCausalLMLoss with document_ids_of(position_ids)), or use "
+                                 "cp_layout='contiguous'")
+            tokens = _cp_tokens(self.cp_layout, ids.tensor_split(dp, dim=0)[index] if dp > 1 else ids, cp, cp_index)
 
         def split(x):
             if not isinstance(x, torch.Tensor):
                 return x
             local = x.tensor_split(dp, dim=0)[index] if dp > 1 else x
-            if cp > 1 and along_seq.get(id(x), False):  # contiguous: the program views its inputs
-                return local.chunk(cp, dim=1)[cp_index].contiguous()
+            if cp > 1 and along_seq.get(id(x), False):
+                if tokens is not None:
+                    return local.flatten(0, 1)[tokens].view(local.shape[0], -1, *local.shape[2:])
+                return local.chunk(cp, dim=1)[cp_index].contiguous()  # contiguous: the program views its inputs
             return local
 
         local = tuple(split(x) for x in global_inputs)
@@ -877,9 +901,35 @@ def _split_size(n: int, parts: int, index: int) -> int:
     return n // parts + (1 if index < n % parts else 0)
 
 
+CP_LAYOUTS = ("contiguous", "zigzag", "document")  # cp_layout: rank i holds the i-th chunk of every row; chunks
+# i and 2cp-1-i (causal balance); or documents whole where the balance allows (DCP, `distconfig.tokens`)
+
+
+def _cp_tokens(layout: str, document_ids: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
+    """Flat indices (into the rows of `document_ids`, [rows, T]) of the tokens cp rank `rank` holds,
+    T / cp per row's worth, in the order its shard lists them."""
+    from hotswitch.distconfig.tokens import Documents, document_placement, zigzag_placement
+
+    rows, length = document_ids.shape
+    lengths = []
+    for row in document_ids.tolist():
+        runs = [1]
+        for a, b in zip(row, row[1:]):
+            if a == b:
+                runs[-1] += 1
+            else:
+                runs.append(1)
+        lengths.append(runs)
+    docs = Documents.from_rows(lengths, length)
+    placement = zigzag_placement(docs, cp) if layout == "zigzag" else document_placement(docs, cp, equal_tokens=True)
+    if layout == "zigzag":  # row by row: chunks rank and 2cp-1-rank of every row
+        return torch.tensor(sorted(i for s in placement.segments[rank] for i in placement.flat_index(s)))
+    return torch.tensor([i for s in placement.segments[rank] for i in placement.flat_index(s)])
+
+
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
             topology: Topology | None = None, lazy: bool = False, progress=None,
-            logic: LogicGraph | None = None) -> CompiledModel:
+            logic: LogicGraph | None = None, cp_layout: str = "contiguous") -> CompiledModel:
     """Trace `model` once and compile it for every config.
 
     `model`: forward returns a scalar mean loss, or an object or dict with a `loss` entry (Hugging
@@ -892,6 +942,8 @@ def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = T
     first config is active afterwards. `lazy=True` lowers
     each config's ExecGraph on its first use instead of now (switching needs only the layouts);
     `progress(message)` is called as each phase starts ("tracing", "compiling dp4", ...).
+    `cp_layout` ("contiguous", "zigzag", "document"; CP_LAYOUTS): how cp configs lay the sequence out;
+    the last two move tokens and need a model whose attention reads `document_ids`.
     """
     return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy, progress=progress,
-                         logic=logic)
+                         logic=logic, cp_layout=cp_layout)
