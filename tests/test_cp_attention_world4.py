@@ -156,10 +156,24 @@ def check_moving_tokens_needs_document_ids():
     return None
 
 
+def check_trainer_with_document_layout_matches_single_device():
+    """Mixed lengths, rows to 8 under dp4 and the longer ones under cp4 with documents placed per
+    micro-batch (cp_layout="document"): the optimizer's steps equal single-device AdamW."""
+    from hotswitch.train.trainer import Trainer
+    from tests.test_trainer_world4 import LR, _batches, _model, _reference_steps, _steps_against
+
+    model, batches = _model("gpt"), _batches(steps=2)
+    ref = _reference_steps(model, batches)
+    trainer = Trainer(model, ["dp4", "cp4"], dict(name="adamw", lr=LR), buckets=[8, 128],
+                      bucket_configs=["dp4", "cp4"], micro_batch_tokens=64, cp_layout="document")
+    return _steps_against(trainer, batches, ref)
+
+
 pytestmark = pytest.mark.slow  # spawns gloo processes
 results = dist_fixture(4, [check_outputs_and_gradients_match_one_device, check_collectives_follow_the_plan,
                            check_wrong_shard_names_the_fix, check_compiled_layouts_match_one_device,
-                           check_moving_tokens_needs_document_ids])
+                           check_moving_tokens_needs_document_ids,
+                           check_trainer_with_document_layout_matches_single_device])
 
 
 def test_outputs_and_gradients_equal_one_device(results):
@@ -196,3 +210,11 @@ def test_compiled_cp_layouts_equal_one_device_and_move_keys_in_the_op(results):
 def test_moving_tokens_without_document_ids_names_the_fix(results):
     for message in results["check_moving_tokens_needs_document_ids"].raise_if_failed():
         assert message and "document_ids" in message and "cp_layout='contiguous'" in message
+
+
+def test_trainer_with_document_aware_cp_equals_single_device_adamw(results):
+    from tests.test_trainer_world4 import _assert_equivalent
+
+    steps = results["check_trainer_with_document_layout_matches_single_device"].raise_if_failed()[0]
+    _assert_equivalent(steps, worst_tensor=1e-5, configs=["dp4", "cp4"])
+    assert {b.config for s in steps for b in s["report"].buckets} == {"dp4", "cp4"}

@@ -140,5 +140,9 @@ def add_train_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the synthetic data and its order")
     p.add_argument("--zero1", action="store_true", help="shard AdamW states over the base config's dp ranks")
+    p.add_argument("--cp-layout", choices=("contiguous", "zigzag", "document"), default="contiguous",
+                   help="how cp configs lay the sequence out: rank i's chunk of every row; chunks i and 2cp-1-i "
+                   "(causal balance); or documents whole where the balance allows, placed per micro-batch (DCP). "
+                   "zigzag and document need a built-in model (its attention reads document ids)")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="move each config's weights when the step reaches it, not behind the previous config's compute")

@@ -88,6 +88,7 @@ def options(args, **extra):
     extra.update(_elastic_options(args))
     extra.setdefault("backend", getattr(args, "backend", None))
     extra.setdefault("prefetch", getattr(args, "prefetch", True))
+    extra.setdefault("cp_layout", getattr(args, "cp_layout", "contiguous"))
     return TrainOptions(args.model, args.world_size, args.dataset, args.steps, args.batch_size, max_length,
                         tuple(c.spec() for c in configs), static, budget, args.micro_batch_tokens, buckets, args.lr,
                         args.seed, args.zero1, getattr(args, "save_final", None), **extra)

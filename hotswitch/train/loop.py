@@ -39,6 +39,7 @@ class TrainOptions:
     step_timeout: float = 30.0
     backend: str | None = None  # nccl | gloo; None: nccl when every process gets a GPU
     prefetch: bool = True  # the next config's weights move while the current one computes
+    cp_layout: str = "contiguous"  # how cp configs lay out the sequence (CompiledModel.cp_layout)
 
 
 def build_model(opts: TrainOptions):
@@ -92,7 +93,8 @@ class TrainingRun:
         self.trainer = Trainer(model, configs, dict(name="adamw", lr=opts.lr), budget or opts.memory_budget,
                                buckets=bounds or opts.buckets,
                                micro_batch_tokens=opts.micro_batch_tokens, zero1=opts.zero1,
-                               prefetch=opts.prefetch, progress=Progress() if self.show else None)
+                               prefetch=opts.prefetch, progress=Progress() if self.show else None,
+                               cp_layout=opts.cp_layout)
         if bounds is None and opts.buckets is None:
             self.trainer.choose_buckets([len(s) for s in self.dataset])  # from the dataset's length distribution
         self.bounds = self.trainer.bucket_bounds([len(s) for s in self.dataset])

@@ -31,7 +31,7 @@ from hotswitch.compiler.memory import estimate_peak_bytes
 from hotswitch.distconfig import DistConfig, Topology, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device, synchronize
 from hotswitch.kernels import cast
-from hotswitch.models import PackedCausalLMLoss
+from hotswitch.models import PackedCausalLMLoss, document_ids_of
 from hotswitch.runtime.compiled_model import CompiledModel
 from hotswitch.runtime.compiled_model import compile as hs_compile
 from hotswitch.search.auto import auto_configs
@@ -157,7 +157,8 @@ class Trainer:
                  bucket_configs: Sequence[str] | None = None, micro_batch_tokens: int = 2048,
                  compute_dtype: torch.dtype | None = None, zero1: bool | None = None, length_multiple: int = 16,
                  profile_repeats: int = 3, strict: bool = False, topology: Topology | None = None,
-                 progress: Callable[[str], None] | None = None, logic=None, prefetch: bool = True):
+                 progress: Callable[[str], None] | None = None, logic=None, prefetch: bool = True,
+                 cp_layout: str = "contiguous"):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.Trainer needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
@@ -203,7 +204,9 @@ class Trainer:
         self.zero1 = bool(zero1)
         self.prefetch = prefetch
         self.profile_repeats = profile_repeats
-        self.length_multiple = math.lcm(length_multiple, *(c.sequence_shards for c in self.configs))
+        # zigzag cuts every row into 2 x cp chunks
+        chunks = [2 * c.cp if cp_layout == "zigzag" else c.sequence_shards for c in self.configs]
+        self.length_multiple = math.lcm(length_multiple, *(c.sequence_shards for c in self.configs), *chunks)
         self._report = progress or (lambda message: None)
         self._num_buckets = num_buckets or max(3, len(self.configs))
         self._boundaries: tuple[int, ...] | None = None
@@ -230,9 +233,15 @@ class Trainer:
         self.vocab_size = _vocab_size(model)
         self.loss_module = PackedCausalLMLoss(model)
         self.pack = self.loss_module.can_pack
-        example = D.full_length_micro_batch(2, self.length_multiple)
+        # cp configs may move tokens (zigzag, document-aware) when attention reads document ids
+        self.documents = cp_layout != "contiguous"
+        if self.documents and not self.loss_module.takes_documents:
+            raise ValueError(f"cp_layout={cp_layout!r} needs a model whose forward takes document_ids (attention from "
+                             f"ids and positions, as hotswitch.models.GPT): {type(model).__name__} does not; "
+                             "use cp_layout='contiguous'")
+        example = self._inputs(D.full_length_micro_batch(2, self.length_multiple))
         self.cm: CompiledModel = hs_compile(self.loss_module, example, self.configs, lazy=True, topology=topology,
-                                            strict=strict, logic=logic, progress=self._report)
+                                            strict=strict, logic=logic, progress=self._report, cp_layout=cp_layout)
         self.cm.grad_dtype = torch.float32
         self.cost = CostModel(memory_budget_bytes)
         self.step_count = 0
@@ -313,7 +322,7 @@ class Trainer:
                 rows = self.rows_per_micro_batch(self.config(config), bucket.high)
                 bucket_micro[k] = math.ceil(len(bucket.rows) / rows)
                 for mb, weight in D.weighted_micro_batches(sequences, bucket, rows, total_targets):
-                    local = self.cm.shard_inputs(*(x.to(self.cm.device) for x in mb.inputs))
+                    local = self.cm.shard_inputs(*(x.to(self.cm.device) for x in self._inputs(mb.inputs)))
                     loss += float(self.cm.forward_backward(*local, grad_scale=weight)) * weight
                 synchronize(self.cm.device)
                 bucket_seconds[k] += time.perf_counter() - t0
@@ -518,11 +527,12 @@ class Trainer:
     def _micro_batch_graph(self, config: DistConfig, length: int):
         """The ExecGraph of one micro-batch of rows of `length` tokens under `config` (lowered on first use)."""
         rows = self.rows_per_micro_batch(config, length)
-        return self.cm.exec_graph(config.name, ((rows, length),) * 3)  # input ids, positions, targets
+        # input ids, positions, targets (and document ids)
+        return self.cm.exec_graph(config.name, ((rows, length),) * (4 if self.documents else 3))
 
     def _probe(self, config: DistConfig, length: int) -> Probe:
         rows = self.rows_per_micro_batch(config, length)
-        inputs = D.full_length_micro_batch(rows, length, seed=length)
+        inputs = self._inputs(D.full_length_micro_batch(rows, length, seed=length))
         gm = self.cm.exec_graph(config.name, tuple(tuple(x.shape) for x in inputs))
         state = self.state_bytes(config.name)
         need = comm_tensor([state + estimate_peak_bytes(gm)], torch.float64)
@@ -673,6 +683,10 @@ class Trainer:
             self._boundaries = self._boundaries + (D.round_up(max(lengths), self.length_multiple),)
             self._report(f"length buckets extended: {self._boundaries}")
         return self._boundaries
+
+    def _inputs(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """(ids, positions, labels), and the document ids when cp configs move tokens."""
+        return (*inputs, document_ids_of(inputs[1])) if self.documents else tuple(inputs)
 
     def _unpacked(self, lengths: list[int]) -> list[D.Bucket]:
         """Models without position_ids/attention_mask: one sequence per row, padded to the bound."""
