@@ -6,6 +6,7 @@ models are written in; Hugging Face models are covered by `HFCausalLMLoss`.
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from dataclasses import dataclass
@@ -263,7 +264,10 @@ class PackedCausalLMLoss(nn.Module):
         self.takes_positions = "position_ids" in params
         self.takes_mask = "attention_mask" in params
         self.takes_cache = "use_cache" in params
-        self.takes_documents = "document_ids" in params
+        # Hugging Face models route attention through their AttentionInterface: hotswitch's op is
+        # registered there and chosen while a batch with document ids runs (`_hf_document_attention`)
+        self.hf_attention = hasattr(getattr(model, "config", None), "_attn_implementation") and "kwargs" in params
+        self.takes_documents = "document_ids" in params or self.hf_attention
 
     @property
     def can_pack(self) -> bool:
@@ -279,14 +283,52 @@ class PackedCausalLMLoss(nn.Module):
                 raise ValueError(f"{type(self.model).__name__}.forward takes no document_ids: give them only to a "
                                  "model whose attention reads them (hotswitch.models.GPT)")
             kwargs["document_ids"] = document_ids
+            if self.hf_attention:
+                with _hf_document_attention(self.model):
+                    return self._loss(self.model(input_ids=input_ids, **kwargs, use_cache=False), labels)
         elif self.takes_mask:
             kwargs["attention_mask"] = document_causal_mask(position_ids)
         if self.takes_cache:
             kwargs["use_cache"] = False
-        out = self.model(input_ids=input_ids, **kwargs)
+        return self._loss(self.model(input_ids=input_ids, **kwargs), labels)
+
+    @staticmethod
+    def _loss(out, labels):
         logits = out.logits if hasattr(out, "logits") else out
         token_loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
         return token_loss / (labels != -100).sum()
+
+
+HF_DOCUMENT_ATTENTION = "hotswitch_document"  # the name hotswitch's attention has in Hugging Face's registry
+
+
+@contextlib.contextmanager
+def _hf_document_attention(model: nn.Module):
+    """The model's attention as `document_attention` inside the block (its config names it; Hugging
+    Face then builds no mask either, as for any attention it has no mask function for)."""
+    import transformers
+
+    from hotswitch.kernels.attention import document_attention
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        if dropout:
+            raise ValueError("document_attention has no dropout: train with attention_dropout=0")
+        if scaling is not None and not math.isclose(scaling, query.shape[-1] ** -0.5):
+            raise ValueError(f"document_attention scales scores by 1/sqrt(head_dim); this model uses {scaling}")
+        if kwargs.get("position_ids") is None or kwargs.get("document_ids") is None:
+            raise ValueError(f"{type(module).__name__} does not pass position_ids and document_ids on to its attention "
+                             "function, which document_attention needs: use cp_layout='contiguous' for this model")
+        out = document_attention(query, key, value, kwargs["position_ids"], kwargs["document_ids"])
+        return out.transpose(1, 2).contiguous(), None
+
+    transformers.AttentionInterface.register(HF_DOCUMENT_ATTENTION, attention)
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = HF_DOCUMENT_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def build_hf_model(kind: str, vocab_size: int = 1001, **overrides) -> HFCausalLMLoss:
