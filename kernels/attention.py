@@ -196,14 +196,25 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positi
                        documents: torch.Tensor) -> torch.Tensor:
     """Document-causal attention: [B, H, T, d] queries, [B, Hkv, T, d] keys and values (H a multiple
     of Hkv), [B, T] positions and document ids -> [B, H, T, d]."""
+    _same_tokens(q, positions, documents)
     implementation = _IMPLEMENTATION.get()
     if implementation is not None:
         return implementation.forward(q, k, v, positions, documents)
     return _one_device(q, k, v, positions, documents)
 
 
+def _same_tokens(q, positions, documents) -> None:
+    """Positions and ids are [B, T] of q's [B, H, T, d]: said to the tracer too, so that their dims
+    share q's symbols (a sharded sequence shards them alike)."""
+    for t in (positions, documents):
+        torch._check(t.dim() == 2, lambda: f"positions and document ids are [batch, tokens], got {tuple(t.shape)}")
+        torch._check(t.shape[0] == q.shape[0], lambda: "positions and document ids need q's batch size")
+        torch._check(t.shape[1] == q.shape[2], lambda: "positions and document ids need one entry per token of q")
+
+
 @document_attention.register_fake
 def _(q, k, v, positions, documents):
+    _same_tokens(q, positions, documents)
     return q.new_empty(*q.shape[:3], v.shape[3])
 
 
@@ -224,6 +235,7 @@ def document_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Te
 
 @document_attention_backward.register_fake
 def _(grad, q, k, v, positions, documents):  # contiguous, as the implementations return them
+    _same_tokens(q, positions, documents)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

@@ -81,3 +81,17 @@ def test_the_tracer_keeps_the_op_whole_and_the_loss_matches_the_masked_model():
     assert targets.count("hotswitch.document_attention.default") == 2  # one per layer
     assert targets.count("hotswitch.document_attention_backward.default") == 2
     assert not any("scaled_dot_product" in t or t == "aten._softmax.default" for t in targets)  # no attention scores
+
+
+def test_document_ids_share_the_sequence_dim_even_for_one_row():
+    """One row specializes the batch dim, so export infers each input's dims apart; the op tells it
+    that positions and ids have q's tokens, so context parallelism shards them with the sequence
+    (it once left them whole, and the cp plan indexed past a rank's tokens)."""
+    from hotswitch.compiler.trace import trace
+
+    torch.manual_seed(0)
+    model = PackedCausalLMLoss(build_model("gpt-tiny", vocab_size=97))
+    positions = torch.tensor([[p for n in (40, 24) for p in range(n)]])
+    ids = torch.randint(0, 97, positions.shape)
+    logic = trace(model, (ids, positions, ids.roll(-1, dims=1), document_ids_of(positions)))
+    assert logic.sequence_inputs() == (True, True, True, True)
