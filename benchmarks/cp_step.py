@@ -7,8 +7,9 @@ For each global batch shape ROWSxLENGTH, `--world-size` gloo processes compile t
 every config that can take it (dp needs at least one row per rank), then time `forward_backward`
 (forward, backward, gradient reduction) under each config in turn: one warm-up step, then the
 median of `--steps` steps, each started together after a barrier. Times are rank 0's. The ratios
-are against tp + sp, the layout long rows otherwise need. This is all-gather context parallelism
-with contiguous chunks: no causal load balance and no document-aware placement yet (issue 17).
+are against tp + sp, the layout long rows otherwise need. The model gets no document ids, so this is
+all-gather context parallelism with contiguous chunks; `benchmarks/cp_layouts.py` measures the
+layouts that document ids allow (zigzag, document-aware).
 """
 from __future__ import annotations
 

@@ -579,6 +579,13 @@ def _propagate_strided_as_shard(target, args, kwargs, pinned, tensor_nodes, spec
                 if w[i] != dt.Shard(have[i].dim):
                     return None
                 w[i] = have[i]
+            elif have[i].is_shard():
+                # a plain Shard of the same rows (DTensor moved the batch onto this mesh dim upstream)
+                # holds contiguous rows, not strided ones: the trial sees both as Shard and would pair
+                # unaligned rows. Move it into the strided rows (DTensor redistributes S -> _S).
+                if specs[n].shape[have[i].dim] != size or w[i] != have[i]:
+                    return None
+                w[i] = dt.StridedShard(have[i].dim, split_factor=split_factor)
             elif w[i] != have[i]:
                 if not (have[i].is_replicate() and type(w[i]) is dt.Shard and specs[n].shape[w[i].dim] == size):
                     return None
