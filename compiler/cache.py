@@ -11,7 +11,7 @@ Three kinds of entries, each under a key that hashes everything it depends on:
 - "program": a rank's lowered ExecGraph (`logic_io.dumps_program`), keyed also by the local shapes,
   the rank's mesh coordinate and the decisions; a rank's own, never shared.
 
-Every key also holds the torch version, hotswitch's and a digest of the compiler's source, so an
+Every key also holds the torch version, hotswitch's and a digest of the compiler's and kernels' source, so an
 entry written by other code is never read. Where: `$HOTSWITCH_CACHE_DIR`, else
 `$XDG_CACHE_HOME/hotswitch`, else `~/.cache/hotswitch`; `HOTSWITCH_CACHE=0` turns it off. An entry
 holds a checksum of its payload: a truncated or corrupted entry is reported once, removed and
@@ -40,8 +40,9 @@ _MAGIC = b"hotswitch-compile-cache-v1\n"
 
 @functools.lru_cache(maxsize=None)
 def _version() -> str:
-    """hotswitch's version and a digest of the compiler's source: entries written by a compiler that
-    has been edited since (an editable install keeps its version number) are never read."""
+    """hotswitch's version and a digest of the compiler's source and of the kernels' (their ops stay
+    whole in LogicGraphs, and their fake implementations decide the traced shapes): entries written
+    by code that has been edited since (an editable install keeps its version number) are never read."""
     try:
         from importlib.metadata import version
 
@@ -49,7 +50,8 @@ def _version() -> str:
     except Exception:  # noqa: BLE001 - running from a source tree without an install
         number = "source"
     here = Path(__file__).resolve().parent
-    return f"{number}+{files_digest(sorted(here.glob('*.py')), here)[:16]}"
+    kernels = here.parent / "kernels"  # hotswitch.kernels, beside the compiler in a tree and installed
+    return f"{number}+{files_digest([*sorted(here.glob('*.py')), *sorted(kernels.glob('*.py'))], here.parent)[:16]}"
 
 
 class CompileCache:

@@ -128,6 +128,9 @@ def grouped_attention_backward(q: torch.Tensor, kv: torch.Tensor, groups: Attent
     """Gradients of `grouped_attention` by its formulas, group by group (recomputing each group's
     probabilities): dq [n, heads, d] and dkv [m, 2, kv_heads, d]. Explicit rather than autograd
     because an op's implementation runs below autograd."""
+    dtype = q.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # probabilities and their gradients in fp32, as SDPA does
+        q, kv, grad = q.float(), kv.float(), grad.float()
     heads, kv_heads, d = q.shape[1], kv.shape[2], q.shape[2]
     rep, scale = heads // kv_heads, d ** -0.5
     dq, dkv = torch.zeros_like(q), torch.zeros_like(kv)
@@ -141,7 +144,7 @@ def grouped_attention_backward(q: torch.Tensor, kv: torch.Tensor, groups: Attent
         dk = (ds.transpose(1, 2) @ qg * scale).view(kv_heads, rep, -1, d).sum(1)
         dv = (p.transpose(1, 2) @ go).view(kv_heads, rep, -1, d).sum(1)
         dkv.index_add_(0, ki, torch.stack([dk, dv], dim=0).permute(2, 0, 1, 3))
-    return dq, dkv
+    return dq.to(dtype), dkv.to(dtype)
 
 
 def _content_key(*tensors: torch.Tensor) -> tuple:

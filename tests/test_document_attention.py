@@ -95,3 +95,15 @@ def test_document_ids_share_the_sequence_dim_even_for_one_row():
     ids = torch.randint(0, 97, positions.shape)
     logic = trace(model, (ids, positions, ids.roll(-1, dims=1), document_ids_of(positions)))
     assert logic.sequence_inputs() == (True, True, True, True)
+
+
+def test_half_precision_gradients_stay_close_to_fp32():
+    """bf16 inputs (the GPU's training dtype; CPU SDPA runs it too): the backward computes its
+    probabilities in fp32, so its gradients match the fp32 op's to bf16 precision."""
+    q, k, v, positions, documents, w = _batch(4, 2)
+    full = _grads(lambda *t: document_attention(*t, positions, documents), q, k, v, w)
+    half = _grads(lambda *t: document_attention(*t, positions, documents), q.bfloat16(), k.bfloat16(),
+                  v.bfloat16(), w.bfloat16())
+    for a, b in zip(half, full):
+        assert a.dtype == torch.bfloat16
+        torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=3e-2)
