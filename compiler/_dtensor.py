@@ -24,6 +24,8 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial
 
+from ._torch import pytree
+
 MaskPartial = _MaskPartial  # DTensor's vocab-parallel embedding partial: its offset is a rank's own
 
 __all__ = [
@@ -258,7 +260,11 @@ def propagate(op, args_schema: tuple, kwargs_schema: dict, pinned: frozenset[int
     memo = _memo.get()
     assert memo is not None, "dt.propagate runs inside `with dt.propagation(): ...`"
     schema = OpSchema(op, args_schema, kwargs_schema, schema_info=_propagator.op_to_schema_info.get(op))
-    key = (schema, pinned)
+    # OpSchema compares only its specs for ops registered without a RuntimeSchemaInfo: the two
+    # embedding backwards of a model with learned positions (num_weights 1001 and 256, same specs)
+    # were one entry, and the second took the first's output shape. The other arguments join the key.
+    others = tuple(a for a in pytree.tree_leaves((args_schema, kwargs_schema)) if not isinstance(a, DTensorSpec))
+    key = (schema, pinned, others)
     try:
         cached = memo["op"].get(key)
     except TypeError:  # an unhashable argument: no caching for this op

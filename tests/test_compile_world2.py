@@ -29,6 +29,35 @@ def check_gpt2_equivalence():
     return assert_equivalent("gpt2", CONFIGS, extra_seq=None)
 
 
+def check_learned_positions_with_a_tied_embedding():
+    """GPT-2 style (learned positions, tied embedding; `gpt2-small` shrunk): two embedding backwards
+    whose specs are equal and whose table sizes differ. DTensor's OpSchema compares only the specs
+    for that op, so the propagation memo once gave the token table the positions' shape; a new
+    shape then failed to lower ("broadcast 256 ... 1001"). Traced at 2 x 16, run at 4 x 32."""
+    import copy
+
+    from hotswitch.models import PackedCausalLMLoss, build_model
+    from hotswitch.train.data import full_length_micro_batch
+
+    torch.manual_seed(0)
+    model = PackedCausalLMLoss(build_model("gpt2-small", dim=64, n_layers=1, n_heads=4, vocab_size=1001,
+                                           max_seq_len=256))
+    cm = hs.compile(model, full_length_micro_batch(2, 16), configs=["dp2", "tp2"])
+    inputs = full_length_micro_batch(4, 32, seed=3)
+    ref = copy.deepcopy(model)
+    loss_ref = ref(*inputs)
+    loss_ref.backward()
+    errors = {}
+    for name in ("dp2", "tp2"):
+        cm.switch(name)
+        cm.zero_grad()
+        loss = cm.forward_backward(*cm.shard_inputs(*inputs))
+        full = cm.full_grads()
+        errors[name] = max([abs(loss.item() - loss_ref.item()),
+                            *((full[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())])
+    return errors
+
+
 def _error(fn):
     try:
         fn()
@@ -128,7 +157,7 @@ def check_lowering_equals_make_fx():
 
 
 results = dist_fixture(2, [check_lowering_equals_make_fx, check_gpt_equivalence, check_llama_equivalence,
-                           check_gpt2_equivalence,
+                           check_gpt2_equivalence, check_learned_positions_with_a_tied_embedding,
                            check_a_warm_cache_replays_decisions,
                            check_wrong_device_count, check_tp_not_dividing_heads, check_unknown_config,
                            check_op_without_rule, check_op_without_rule_non_strict])
@@ -144,6 +173,11 @@ def test_hf_llama_matches_single_device(results):
 
 def test_hf_gpt2_matches_single_device(results):
     results["check_gpt2_equivalence"].raise_if_failed()
+
+
+def test_learned_positions_with_a_tied_embedding_match_single_device(results):
+    for errors in results["check_learned_positions_with_a_tied_embedding"].raise_if_failed():
+        assert all(e <= 1e-5 for e in errors.values()), errors
 
 
 def test_wrong_device_count(results):
