@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import hashlib
 from collections.abc import Iterator
 
@@ -152,22 +151,7 @@ def _content_key(*tensors: torch.Tensor) -> tuple:
                  for t in tensors)
 
 
-@functools.lru_cache(maxsize=8)
-def _cached_groups(key: tuple, documents: _Frozen, positions: _Frozen) -> AttentionGroups:
-    return AttentionGroups(documents.tensor, positions.tensor, documents.tensor.numel())
-
-
-class _Frozen:
-    """A tensor carried through lru_cache by its content key (equal keys: equal contents)."""
-
-    def __init__(self, tensor: torch.Tensor, key):
-        self.tensor, self.key = tensor, key
-
-    def __hash__(self):
-        return hash(self.key)
-
-    def __eq__(self, other):
-        return isinstance(other, _Frozen) and self.key == other.key
+_GROUPS: dict[tuple, AttentionGroups] = {}  # content of (documents, positions) -> groups: the last few batches
 
 
 def groups_for(documents: torch.Tensor, positions: torch.Tensor) -> AttentionGroups:
@@ -175,7 +159,12 @@ def groups_for(documents: torch.Tensor, positions: torch.Tensor) -> AttentionGro
     sees the same documents and positions, so the Python work runs once, not per call."""
     documents, positions = documents.reshape(-1).cpu(), positions.reshape(-1).cpu()
     key = _content_key(documents, positions)
-    return _cached_groups(key, _Frozen(documents, key[0]), _Frozen(positions, key[1]))
+    groups = _GROUPS.get(key)
+    if groups is None:
+        while len(_GROUPS) >= 8:
+            _GROUPS.pop(next(iter(_GROUPS)))
+        groups = _GROUPS[key] = AttentionGroups(documents, positions, documents.numel())
+    return groups
 
 
 def tokens_first(x: torch.Tensor) -> torch.Tensor:
