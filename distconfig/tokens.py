@@ -30,6 +30,11 @@ __all__ = ["CPPlacement", "Documents", "Segment", "document_fetch", "document_pl
            "zigzag_placement"]
 
 
+def _rows(array) -> list[list]:
+    """A [rows, row_length] tensor, array or nested lists as lists."""
+    return array.tolist() if hasattr(array, "tolist") else [list(r) for r in array]
+
+
 def _pairs(start: int, stop: int) -> int:
     """Attended pairs of the queries at positions start..stop-1 of a causal document."""
     return (stop * (stop + 1) - start * (start + 1)) // 2
@@ -88,14 +93,25 @@ class Documents:
     def from_positions(cls, position_ids) -> Documents:
         """From a [rows, row_length] array of positions that restart at 0 at every document (the
         Trainer's packed rows; a tensor, an array or nested lists)."""
-        rows = position_ids.tolist() if hasattr(position_ids, "tolist") else [list(r) for r in position_ids]
-        lengths_per_row = []
+        rows = _rows(position_ids)
         for i, row in enumerate(rows):
             if row and row[0] != 0:
                 raise ValueError(f"row {i} starts at position {row[0]}; positions restart at 0 per document")
-            starts = [t for t, p in enumerate(row) if p == 0]
-            lengths_per_row.append([b - a for a, b in zip(starts, [*starts[1:], len(row)])])
-        return cls.from_rows(lengths_per_row, len(rows[0]) if rows else 0)
+        return cls._from_starts(rows, lambda row, t: row[t] == 0)
+
+    @classmethod
+    def from_ids(cls, document_ids) -> Documents:
+        """From a [rows, row_length] array of document ids (`models.document_ids_of`): a document is
+        a run of one id."""
+        return cls._from_starts(_rows(document_ids), lambda row, t: t == 0 or row[t] != row[t - 1])
+
+    @classmethod
+    def _from_starts(cls, rows: list[list], starts_at) -> Documents:
+        lengths = []
+        for row in rows:
+            starts = [t for t in range(len(row)) if starts_at(row, t)]
+            lengths.append([b - a for a, b in zip(starts, [*starts[1:], len(row)])])
+        return cls.from_rows(lengths, len(rows[0]) if rows else 0)
 
     def positions(self) -> list[list[int]]:
         """[rows][row_length] position of every token inside its document (what `from_positions` reads)."""

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["GROUP_QUERIES", "AttentionGroups", "document_attention", "document_groups", "from_tokens_first",
-           "grouped_attention", "grouped_attention_backward", "groups_for", "local_implementation", "tokens_first"]
+           "grouped_attention", "grouped_attention_backward", "groups_for", "keys_values", "local_implementation",
+           "tokens_first"]
 
 GROUP_QUERIES = 256  # short documents share one call up to this many queries; a long one is cut into
 # blocks of this many queries, each attending only to the keys up to its last position (the dense mask
@@ -172,6 +173,12 @@ def tokens_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])
 
 
+def keys_values(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, T, d] keys and values -> [B*T, 2, Hkv, d], the rows `grouped_attention` reads (and a
+    context-parallel rank sends)."""
+    return torch.stack([tokens_first(k), tokens_first(v)], dim=1)
+
+
 def from_tokens_first(x: torch.Tensor, batch: int) -> torch.Tensor:
     """[B*T, H, d] -> [B, H, T, d], contiguous."""
     return x.view(batch, -1, *x.shape[1:]).transpose(1, 2).contiguous()
@@ -179,8 +186,7 @@ def from_tokens_first(x: torch.Tensor, batch: int) -> torch.Tensor:
 
 def _one_device(q, k, v, positions, documents):
     groups = groups_for(documents, positions).to(q.device)
-    kv = torch.stack([tokens_first(k), tokens_first(v)], dim=1)
-    return from_tokens_first(grouped_attention(tokens_first(q), kv, groups), q.shape[0])
+    return from_tokens_first(grouped_attention(tokens_first(q), keys_values(k, v), groups), q.shape[0])
 
 
 @torch.library.custom_op("hotswitch::document_attention", mutates_args=())
@@ -218,10 +224,9 @@ def document_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Te
     implementation = _IMPLEMENTATION.get()
     if implementation is not None:
         return implementation.backward(grad, q, k, v, positions, documents)
-    b, h, t, _ = q.shape
+    b = q.shape[0]
     groups = groups_for(documents, positions).to(q.device)
-    kv = torch.stack([tokens_first(k), tokens_first(v)], dim=1)
-    dq, dkv = grouped_attention_backward(tokens_first(q), kv, groups, tokens_first(grad))
+    dq, dkv = grouped_attention_backward(tokens_first(q), keys_values(k, v), groups, tokens_first(grad))
     return from_tokens_first(dq, b), from_tokens_first(dkv[:, 0], b), from_tokens_first(dkv[:, 1], b)
 
 

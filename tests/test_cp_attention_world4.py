@@ -56,20 +56,26 @@ def check_outputs_and_gradients_match_one_device():
 
 
 class _CountAllToAll:
-    """Records the (received, sent) row counts of every all_to_all_single; restores it on exit."""
+    """Records the (received, sent) row counts of every all_to_all_single, and counts all_gathers
+    (the cp plan's ids and positions); restores both on exit."""
 
     def __enter__(self):
-        self.calls, self._original = [], dist.all_to_all_single
+        self.calls, self.gathers = [], 0
+        self._original, self._gather = dist.all_to_all_single, dist.all_gather
 
         def counting(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
             self.calls.append((list(output_split_sizes), list(input_split_sizes)))
             return self._original(output, input, output_split_sizes, input_split_sizes, **kwargs)
 
-        dist.all_to_all_single = counting
+        def gathering(*args, **kwargs):
+            self.gathers += 1
+            return self._gather(*args, **kwargs)
+
+        dist.all_to_all_single, dist.all_gather = counting, gathering
         return self
 
     def __exit__(self, *exc):
-        dist.all_to_all_single = self._original
+        dist.all_to_all_single, dist.all_gather = self._original, self._gather
 
 
 def check_collectives_follow_the_plan():
@@ -126,7 +132,7 @@ def check_compiled_layouts_match_one_device():
     grads = {n: p.grad for n, p in ref.named_parameters()}
     configs = ["cp4", "dp2cp2", "tp2cp2"]
     cm = hs.compile(model, inputs, configs=configs)
-    errors, fetched = {}, {}
+    errors, fetched, gathers = {}, {}, {}
     for layout in hs.runtime.compiled_model.CP_LAYOUTS:
         cm.cp_layout = layout
         for name in configs:
@@ -138,9 +144,10 @@ def check_compiled_layouts_match_one_device():
             errors[layout, name] = (abs(loss.item() - loss_ref.item()),
                                     max((full[n] - g).abs().max().item() for n, g in grads.items()))
             fetched[layout, name] = sum(sum(received) for received, _ in counter.calls)
+            gathers[layout, name] = counter.gathers
     cm.switch("cp4")
     forward = [collective_kind(n) for n in collectives(cm.exec_graph("cp4"), "forward")]
-    return errors, fetched, forward
+    return errors, fetched, forward, gathers
 
 
 def check_hf_llama_layouts_match_one_device():
@@ -257,7 +264,9 @@ def test_a_wrong_shard_is_refused_with_the_fix(results):
 
 def test_compiled_cp_layouts_equal_one_device_and_move_keys_in_the_op(results):
     values = results["check_compiled_layouts_match_one_device"].raise_if_failed()
-    for errors, fetched, forward in values:
+    for errors, fetched, forward, gathers in values:
+        # the plan's ids and positions gathered once per step, not per layer and op (2 layers, fwd + bwd)
+        assert set(gathers.values()) == {1}, gathers
         assert len(errors) == 9 and all(loss <= 1e-5 and grad <= 1e-5 for loss, grad in errors.values()), errors
         assert "all_gather" not in forward, forward  # attention's keys and values are the op's business
     totals = {layout: sum(v[1][layout, name] for v in values for name in ("cp4", "dp2cp2", "tp2cp2"))

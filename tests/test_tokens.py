@@ -104,13 +104,14 @@ def test_short_documents_need_no_exchange_and_one_long_document_is_cut_zigzag():
 def test_documents_from_positions_match_the_document_causal_mask():
     import torch
 
-    from hotswitch.models import document_causal_mask
+    from hotswitch.models import document_causal_mask, document_ids_of
 
     positions = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 0], [0, 1, 2, 3, 4, 5, 6, 7]])
     docs = Documents.from_positions(positions)
     assert docs.lengths == (3, 2, 1, 1, 1, 8) and docs.rows_of == (0, 0, 0, 0, 0, 1)
     assert docs.work == int(document_causal_mask(positions).sum())
     assert docs.work == sum(_pairs(0, n) for n in docs.lengths)
+    assert Documents.from_ids(document_ids_of(positions)) == docs  # the same documents from their ids
 
 
 def test_bad_input_names_the_fix():

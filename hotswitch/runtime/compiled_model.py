@@ -910,21 +910,10 @@ def _cp_tokens(layout: str, document_ids: torch.Tensor, cp: int, rank: int) -> t
     T / cp per row's worth, in the order its shard lists them."""
     from hotswitch.distconfig.tokens import Documents, document_placement, zigzag_placement
 
-    rows, length = document_ids.shape
-    lengths = []
-    for row in document_ids.tolist():
-        runs = [1]
-        for a, b in zip(row, row[1:]):
-            if a == b:
-                runs[-1] += 1
-            else:
-                runs.append(1)
-        lengths.append(runs)
-    docs = Documents.from_rows(lengths, length)
+    docs = Documents.from_ids(document_ids)
     placement = zigzag_placement(docs, cp) if layout == "zigzag" else document_placement(docs, cp, equal_tokens=True)
-    if layout == "zigzag":  # row by row: chunks rank and 2cp-1-rank of every row
-        return torch.tensor(sorted(i for s in placement.segments[rank] for i in placement.flat_index(s)))
-    return torch.tensor([i for s in placement.segments[rank] for i in placement.flat_index(s)])
+    tokens = [i for s in placement.segments[rank] for i in placement.flat_index(s)]
+    return torch.tensor(sorted(tokens) if layout == "zigzag" else tokens)  # zigzag: row by row
 
 
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,

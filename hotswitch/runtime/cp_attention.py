@@ -12,7 +12,7 @@ not a new graph.
 Two entry points: `cp_attention` (tokens-first tensors and a plan built from a placement; the
 benchmark and the tests) and `ContextParallelAttention`, the implementation of
 `torch.ops.hotswitch.document_attention` that `CompiledModel` installs while a cp config runs (it
-derives the plan from the documents and positions the ranks hold, gathered once per batch).
+derives the plan from the documents and positions the ranks hold, gathered once per micro-batch).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from hotswitch.kernels.attention import (
     from_tokens_first,
     grouped_attention,
     grouped_attention_backward,
+    keys_values,
     tokens_first,
 )
 
@@ -139,32 +140,41 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: CPAtte
 class ContextParallelAttention:
     """`document_attention` on a cp rank's shard: q, k, v [B, heads, T/cp, d] and positions and
     document ids [B, T/cp] of the tokens this rank holds. The plan comes from every rank's ids and
-    positions (one all-gather of two small int tensors per batch, then cached), so it holds for any
-    layout of the tokens. The backward fetches the keys and values again (nothing is kept between
-    the two ops) and returns their gradients to the owners."""
+    positions, so it holds for any layout of the tokens. One instance serves one step
+    (`CompiledModel` makes it per call): the first op call gathers the ids and positions (one
+    all-gather of two small int tensors) and every later call with the same input tensors (the
+    other layers, the backward) reuses the plan; a pipeline's next micro-batch brings new tensors,
+    at the same call on every rank, so the ranks gather together. The backward fetches the keys and
+    values again (nothing is kept between the two ops) and returns their gradients to the owners."""
 
     def __init__(self, group):
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self._last: tuple[torch.Tensor, torch.Tensor, CPAttentionPlan] | None = None
+        self.gathers = 0  # all-gathers of ids and positions issued (one per micro-batch)
 
     def _plan(self, positions: torch.Tensor, documents: torch.Tensor) -> CPAttentionPlan:
+        if self._last is not None and self._last[0] is documents and self._last[1] is positions:
+            return self._last[2]
         local = torch.stack([documents.reshape(-1), positions.reshape(-1)]).to(torch.long)
         gathered = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(gathered, local.contiguous(), group=self.group)
-        key = torch.stack(gathered).cpu().numpy().tobytes()
-        return _plan_from_gathered(key, self.size, self.rank)
+        self.gathers += 1
+        plan = _plan_from_gathered(torch.stack(gathered).cpu().numpy().tobytes(), self.size, self.rank)
+        self._last = (documents, positions, plan)  # the tensors are held, so their identity is not reused
+        return plan
 
     def forward(self, q, k, v, positions, documents):
         plan = self._plan(positions, documents)
-        kv = torch.stack([tokens_first(k), tokens_first(v)], dim=1)
+        kv = keys_values(k, v)
         if plan.exchanges:
             kv = torch.cat([kv, plan.fetch(kv, self.group)])
         return from_tokens_first(grouped_attention(tokens_first(q), kv, plan.groups.to(q.device)), q.shape[0])
 
     def backward(self, grad, q, k, v, positions, documents):
         plan, b = self._plan(positions, documents), q.shape[0]
-        kv_local = torch.stack([tokens_first(k), tokens_first(v)], dim=1)
+        kv_local = keys_values(k, v)
         kv = torch.cat([kv_local, plan.fetch(kv_local, self.group)]) if plan.exchanges else kv_local
         dq, dkv = grouped_attention_backward(tokens_first(q), kv, plan.groups.to(q.device), tokens_first(grad))
         n = kv_local.shape[0]

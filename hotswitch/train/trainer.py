@@ -204,9 +204,9 @@ class Trainer:
         self.zero1 = bool(zero1)
         self.prefetch = prefetch
         self.profile_repeats = profile_repeats
-        # zigzag cuts every row into 2 x cp chunks
-        chunks = [2 * c.cp if cp_layout == "zigzag" else c.sequence_shards for c in self.configs]
-        self.length_multiple = math.lcm(length_multiple, *(c.sequence_shards for c in self.configs), *chunks)
+        # every sequence shard whole; zigzag cuts every row into 2 x cp chunks
+        per_shard = 2 if cp_layout == "zigzag" else 1
+        self.length_multiple = math.lcm(length_multiple, *(per_shard * c.sequence_shards for c in self.configs))
         self._report = progress or (lambda message: None)
         self._num_buckets = num_buckets or max(3, len(self.configs))
         self._boundaries: tuple[int, ...] | None = None
