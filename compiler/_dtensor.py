@@ -24,7 +24,7 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial
 
-from ._torch import pytree
+from ._torch import arg_leaves
 
 MaskPartial = _MaskPartial  # DTensor's vocab-parallel embedding partial: its offset is a rank's own
 
@@ -263,7 +263,7 @@ def propagate(op, args_schema: tuple, kwargs_schema: dict, pinned: frozenset[int
     # OpSchema compares only its specs for ops registered without a RuntimeSchemaInfo: the two
     # embedding backwards of a model with learned positions (num_weights 1001 and 256, same specs)
     # were one entry, and the second took the first's output shape. The other arguments join the key.
-    others = tuple(a for a in pytree.tree_leaves((args_schema, kwargs_schema)) if not isinstance(a, DTensorSpec))
+    others = tuple(a for a in arg_leaves((args_schema, kwargs_schema)) if not isinstance(a, DTensorSpec))
     key = (schema, pinned, others)
     try:
         cached = memo["op"].get(key)

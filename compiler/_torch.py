@@ -6,12 +6,27 @@ import torch
 from torch._decomp import core_aten_decompositions
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 
-__all__ = ["FakeTensorMode", "OpOverload", "codegen", "core_aten_decompositions", "detect_fake_mode", "is_mutable",
-           "op_schema", "pytree", "symbolic_fake_mode", "symbols_of"]
+__all__ = ["FakeTensorMode", "OpOverload", "arg_leaves", "codegen", "core_aten_decompositions", "detect_fake_mode",
+           "is_mutable", "map_args", "op_schema", "pytree", "symbolic_fake_mode", "symbols_of"]
 
 OpOverload = torch._ops.OpOverload
+
+
+def map_args(fn, args):
+    """`fn` applied to every leaf of an fx node's arguments (tuples, lists, dicts, slices; None is a
+    leaf), the structure kept. fx's own C++ walk: a lowering maps every node's arguments several times,
+    and pytree's generic walk (type registry lookups per level) was 40% of replaying a new length."""
+    return map_aggregate(args, fn)
+
+
+def arg_leaves(args) -> list:
+    """The leaves of an fx node's arguments in order, as `map_args` visits them (None included)."""
+    leaves: list = []
+    map_aggregate(args, leaves.append)
+    return leaves
 
 
 def op_schema(target):

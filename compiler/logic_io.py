@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.fx as fx
 
-from ._torch import OpOverload, codegen, pytree, symbolic_fake_mode, symbols_of
+from ._torch import OpOverload, codegen, map_args, symbolic_fake_mode, symbols_of
 from .trace import LogicGraph
 
 __all__ = ["dumps_logic", "dumps_program", "loads_logic", "loads_program"]
@@ -103,9 +103,9 @@ def _encode_graph(gm: fx.GraphModule, encoder: _Encoder) -> tuple[list, dict, ob
     nodes, attrs = [], {}
     for n in gm.graph.nodes:
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
-        args, kwargs = pytree.tree_map(
+        args, kwargs = map_args(
             lambda a: _MemoryFormat(str(a).removeprefix("torch.")) if isinstance(a, torch.memory_format) else a,
-            (args, kwargs), is_leaf=lambda a: isinstance(a, _Ref))
+            (args, kwargs))
         target = _Op(n.target.name()) if isinstance(n.target, OpOverload) else n.target
         if n.op == "get_attr":
             attrs[n.target] = getattr(gm, n.target)
@@ -146,8 +146,11 @@ def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: di
             if shared and key in made:
                 return made[key]
             sizes, strides = [size(s) for s in v.sizes], [size(s) for s in v.strides]
-            with fake_mode:
-                t = torch.empty_strided(sizes, strides, dtype=v.dtype, device=v.device)
+            if v.device == "meta" and not any(isinstance(s, torch.SymInt) for s in (*sizes, *strides)):
+                t = torch.empty_strided(sizes, strides, dtype=v.dtype, device="meta")  # as lowering made it
+            else:
+                with fake_mode:
+                    t = torch.empty_strided(sizes, strides, dtype=v.dtype, device=v.device)
             t = t.requires_grad_(v.requires_grad) if v.dtype.is_floating_point else t
             if shared:
                 made[key] = t
@@ -159,8 +162,7 @@ def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: di
         return v
 
     for name, op, target, args, kwargs, meta, val in nodes:
-        args, kwargs = pytree.tree_map(_decode_arg(by_name), (args, kwargs),
-                                       is_leaf=lambda a: isinstance(a, (_Ref, _MemoryFormat)))
+        args, kwargs = map_args(_decode_arg(by_name), (args, kwargs))
         node = graph.create_node(op, _op(target) if isinstance(target, _Op) else target, args, kwargs, name=name)
         node.meta.update(meta)
         if val is not None:

@@ -31,7 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import _dtensor as dt
 from . import attention as _attention
 from ._dtensor import OpSchema
-from ._torch import FakeTensorMode, OpOverload, op_schema, pytree
+from ._torch import FakeTensorMode, OpOverload, arg_leaves, map_args, op_schema, pytree
 from .tp_rules import VIEW_OPS
 
 _attention.register()  # document_attention's rule, beside DTensor's for aten ops
@@ -160,9 +160,18 @@ def reads_coordinate(sharding: GraphSharding, graph: fx.Graph, mesh_dim: int, ex
 
 
 def _mentions(encoded, kinds: tuple[str, ...]) -> bool:
-    """Does an encoded decision hold a placement of one of `kinds` ("SS", "SSin", ...)?"""
-    if isinstance(encoded, (tuple, list)):
-        return bool(encoded) and (encoded[0] in kinds or any(_mentions(e, kinds) for e in encoded))
+    """Does an encoded decision hold a placement of one of `kinds` ("SS", "SSin", ...)? A placement
+    (or marker) is a tuple led by its kind's name; anything else nested is walked, without recursion
+    (this runs for every op of every lowering)."""
+    stack = [encoded]
+    while stack:
+        e = stack.pop()
+        if isinstance(e, (tuple, list)) and e:
+            if isinstance(e[0], str):
+                if e[0] in kinds:
+                    return True
+            else:
+                stack.extend(e)
     return False
 
 
@@ -320,7 +329,7 @@ def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
     None when there is nothing to replay or the inputs arrive in other placements than then."""
     if placements is None:
         return None
-    tensor_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
+    tensor_nodes = [a for a in arg_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
     if len(tensor_nodes) != len(placements[0]) or any(n not in specs for n in tensor_nodes):
         return None
     resolved = _absolute_strided(placements, [specs[n] for n in tensor_nodes])
@@ -332,8 +341,8 @@ def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
     want, out = dt.decode_placements(placements)
     concrete = lambda a: values.get(a, a) if isinstance(a, fx.Node) and not _is_tensor_node(a) else a  # noqa: E731
     to_schema = lambda a: specs[a] if _is_tensor_node(a) else concrete(a)  # noqa: E731
-    args = pytree.tree_map(to_schema, node.args)
-    kwargs = pytree.tree_map(to_schema, dict(node.kwargs))
+    args = map_args(to_schema, node.args)
+    kwargs = map_args(to_schema, dict(node.kwargs))
     try:
         metas = _meta_run(node.target, args, kwargs)
     except Exception:  # noqa: BLE001 - replay is an optimization: propagate this op the usual way
@@ -420,7 +429,7 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
         return Decision("getitem")
     concrete = lambda a: values.get(a, a) if isinstance(a, fx.Node) and not _is_tensor_node(a) else a  # noqa: E731
     if target in _SYM_OPS or not isinstance(target, OpOverload):
-        args = pytree.tree_map(lambda a: values[a] if isinstance(a, fx.Node) and a in values else a, node.args)
+        args = map_args(lambda a: values[a] if isinstance(a, fx.Node) and a in values else a, node.args)
         if target in _SYM_OPS:
             meta = specs[node.args[0]].tensor_meta
             value = {
@@ -433,10 +442,10 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
             value = target(*args, **node.kwargs)
         return Decision("const", value=value)
 
-    tensor_nodes = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
+    tensor_nodes = [a for a in arg_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
     to_schema = lambda a: specs[a] if _is_tensor_node(a) else concrete(a)  # noqa: E731
-    args = pytree.tree_map(to_schema, node.args)
-    kwargs = pytree.tree_map(to_schema, dict(node.kwargs))
+    args = map_args(to_schema, node.args)
+    kwargs = map_args(to_schema, dict(node.kwargs))
     if not tensor_nodes or target in _LIKE_OPS:
         # Factory ops (no tensor input) are replicated; *_like of a partial value is a fresh tensor.
         like = specs[tensor_nodes[0]] if tensor_nodes else None
@@ -517,14 +526,14 @@ def _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs):
         swap = lambda a: dt.DTensorSpec(a.mesh, donor.placements, a.tensor_meta) if (  # noqa: E731
             isinstance(a, dt.DTensorSpec) and any(a is specs[n] for n in fresh_nodes) and a.ndim == donor.ndim) else a
         try:
-            trial = dt.propagate(target, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs), pinned)
+            trial = dt.propagate(target, map_args(swap, args), map_args(swap, kwargs), pinned)
         except Exception:  # noqa: BLE001 - this placement is only a candidate
             continue
         want = trial.redistribute_schema.args_spec if trial.redistribute_schema is not None else None
         if trial.output_spec is not None and (want is None or all(
                 i in fresh or w.placements == specs[n].placements for i, (n, w) in enumerate(zip(tensor_nodes, want)))):
             if trial.redistribute_schema is None:  # keep the real (replicated) specs as "have": chunk locally
-                trial.redistribute_schema = OpSchema(target, pytree.tree_map(swap, args), pytree.tree_map(swap, kwargs))
+                trial.redistribute_schema = OpSchema(target, map_args(swap, args), map_args(swap, kwargs))
             return trial
     return out
 
@@ -561,7 +570,7 @@ def _propagate_strided_as_shard(target, args, kwargs, pinned, tensor_nodes, spec
         return dt.DTensorSpec(a.mesh, placements, a.tensor_meta)
 
     try:
-        trial = dt.propagate(target, pytree.tree_map(as_shard, args), pytree.tree_map(as_shard, kwargs), pinned)
+        trial = dt.propagate(target, map_args(as_shard, args), map_args(as_shard, kwargs), pinned)
     except Exception:  # noqa: BLE001 - only a candidate
         return None
     out = trial.output_spec
@@ -623,8 +632,8 @@ def _propagate_gathering_uneven(target, args, kwargs, pinned, tensor_nodes, spec
         return a if placements == a.placements else dt.DTensorSpec(a.mesh, placements, a.tensor_meta)
 
     for every in (False, True):
-        want_args = pytree.tree_map(lambda a: gathered(a, every), args)  # noqa: B023 - used at once
-        want_kwargs = pytree.tree_map(lambda a: gathered(a, every), kwargs)  # noqa: B023
+        want_args = map_args(lambda a: gathered(a, every), args)  # noqa: B023 - used at once
+        want_kwargs = map_args(lambda a: gathered(a, every), kwargs)  # noqa: B023
         try:
             trial = dt.propagate(target, want_args, want_kwargs, pinned)
         except Exception:  # noqa: BLE001 - only a candidate
@@ -675,10 +684,10 @@ def _meta_run(target, args, kwargs, device: torch.device | None = None):
         return _META_MEMO[key]
     meta_kwargs = {**kwargs, "device": torch.device("meta")} if _takes_device(target) else kwargs
     try:
-        out = target(*pytree.tree_map(like("meta"), args), **pytree.tree_map(like("meta"), meta_kwargs))
+        out = target(*map_args(like("meta"), args), **map_args(like("meta"), meta_kwargs))
     except (NotImplementedError, RuntimeError):  # no meta kernel (a real error raises again below)
         with _fake_mode:
-            out = _on_meta(target(*pytree.tree_map(like(device), args), **pytree.tree_map(like(device), kwargs)))
+            out = _on_meta(target(*map_args(like(device), args), **map_args(like(device), kwargs)))
     if key is not None:
         if len(_META_MEMO) > 100_000:
             _META_MEMO.clear()
@@ -817,8 +826,8 @@ def lower(
                 tensors.append(value)
             it = iter(tensors)
             fill = lambda a: next(it) if isinstance(a, dt.DTensorSpec) else a  # noqa: E731
-            out = program.call(node.target, pytree.tree_map(fill, d.args),
-                               on_device(pytree.tree_map(fill, dict(d.kwargs))), node)
+            out = program.call(node.target, map_args(fill, d.args),
+                               on_device(map_args(fill, dict(d.kwargs))), node)
             if d.reduce_to is not None:
                 out = program.redistribute(out, d.out_spec, d.reduce_to, node)
             env[node] = out
@@ -857,7 +866,7 @@ def _run_decision(node: fx.Node, d: Decision, on_device):
                    for v, have, want in zip(values, d.in_specs, d.want_specs)]
         it = iter(tensors)
         fill = lambda a: next(it) if isinstance(a, dt.DTensorSpec) else a  # noqa: E731
-        out = node.target(*pytree.tree_map(fill, d.args), **on_device(pytree.tree_map(fill, dict(d.kwargs))))
+        out = node.target(*map_args(fill, d.args), **on_device(map_args(fill, dict(d.kwargs))))
         return dt.redistribute(out, d.out_spec, d.reduce_to) if d.reduce_to is not None else out
     return run
 
@@ -892,7 +901,7 @@ class _ProgramBuilder:
 
     def call(self, target, args, kwargs, source: fx.Node) -> fx.Node:
         val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
-        out = _meta_run(target, pytree.tree_map(val, args), pytree.tree_map(val, kwargs), self.device)
+        out = _meta_run(target, map_args(val, args), map_args(val, kwargs), self.device)
         node = self.graph.call_function(target, tuple(args), dict(kwargs))
         return self._annotate(node, out, source)
 

@@ -80,6 +80,7 @@ import functools
 import importlib
 import importlib.abc
 import importlib.machinery
+import json
 import os
 import pickle
 import random
@@ -365,7 +366,24 @@ def _run_checks(world_size, checks, timeout, env, check_timeout, collective_time
             status=st,
             skipped=skips[0] if skips and ok else None,
         )
+    _log_check_seconds(world_size, out, time.monotonic() - t0)
     return out
+
+
+def _log_check_seconds(world_size: int, results: dict[str, CheckResult], run_seconds: float) -> None:
+    """With HOTSWITCH_TEST_CHECK_LOG=path, append one JSON line per run: its checks' slowest-rank
+    seconds and the run's wall time (start-up included), to find where a slow suite spends its time."""
+    path = os.environ.get("HOTSWITCH_TEST_CHECK_LOG")
+    if not path:
+        return
+    record = {
+        "module": os.environ.get("PYTEST_CURRENT_TEST", "?").split("::")[0],
+        "world_size": world_size,
+        "run_seconds": round(run_seconds, 2),
+        "checks": {name: round(r.seconds, 2) for name, r in results.items()},
+    }
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def dist_fixture(
