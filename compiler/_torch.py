@@ -10,7 +10,7 @@ from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 
 __all__ = ["FakeTensorMode", "OpOverload", "arg_leaves", "codegen", "core_aten_decompositions", "detect_fake_mode",
-           "is_mutable", "map_args", "op_schema", "pytree", "symbolic_fake_mode", "symbols_of"]
+           "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "op_schema", "pytree", "symbolic_fake_mode", "symbols_of"]
 
 OpOverload = torch._ops.OpOverload
 
@@ -27,6 +27,30 @@ def arg_leaves(args) -> list:
     leaves: list = []
     map_aggregate(args, leaves.append)
     return leaves
+
+
+def inductor_compile(gm, example_inputs: list):
+    """`gm` (a functional ATen graph, collectives included) compiled by Inductor ahead of time, as
+    torch.compile does after dynamo: a callable on inputs like `example_inputs` returning the graph's
+    outputs as a list. Raises where Inductor cannot take the graph."""
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # the tracing context dynamo would have set up: Inductor's FX graph cache reads its shape
+    # environment (without one it bypasses the cache, and every process compiles from scratch)
+    with tracing(TracingContext(FakeTensorMode(shape_env=ShapeEnv()))):
+        return compile_fx(gm, example_inputs)
+
+
+def inductor_default_cache_dir() -> str:
+    """Where Inductor keeps its caches when TORCHINDUCTOR_CACHE_DIR is unset (it then writes this
+    path into the variable itself, so finding it there does not mean a user chose it)."""
+    import os
+
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.path.abspath(default_cache_dir())
 
 
 def op_schema(target):

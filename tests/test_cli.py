@@ -122,6 +122,17 @@ def test_configs_option_takes_both_spellings():
         common.parse_configs("dp2", 4, "demo")
 
 
+def test_train_options_carry_the_compile_backend():
+    from hotswitch.cli.train import options
+
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", "--world-size", "2", "--compile-backend", "inductor"])
+    assert options(args).compile_backend == "inductor"
+    assert options(parser.parse_args(["train", "--world-size", "2"])).compile_backend == "eager"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["train", "--compile-backend", "tensorrt"])
+
+
 def test_main_without_command_prints_help(capsys):
     assert cli.main([]) == 2
     assert "demo" in capsys.readouterr().out

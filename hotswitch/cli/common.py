@@ -144,5 +144,9 @@ def add_train_arguments(p) -> None:
                    help="how cp configs lay the sequence out: rank i's chunk of every row; chunks i and 2cp-1-i "
                    "(causal balance); or documents whole where the balance allows, placed per micro-batch (DCP). "
                    "zigzag and document need a built-in model (its attention reads document ids)")
+    p.add_argument("--compile-backend", choices=("eager", "inductor"), default="eager",
+                   help="how ExecGraphs run: op by op (eager), or compiled by Inductor on first use (C++ on CPU, "
+                   "Triton on GPU; compiled programs are cached beside hotswitch's compile cache). --backend names "
+                   "the process-group backend")
     p.add_argument("--no-prefetch", dest="prefetch", action="store_false",
                    help="move each config's weights when the step reaches it, not behind the previous config's compute")

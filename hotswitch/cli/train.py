@@ -89,6 +89,7 @@ def options(args, **extra):
     extra.setdefault("backend", getattr(args, "backend", None))
     extra.setdefault("prefetch", getattr(args, "prefetch", True))
     extra.setdefault("cp_layout", getattr(args, "cp_layout", "contiguous"))
+    extra.setdefault("compile_backend", getattr(args, "compile_backend", "eager"))
     return TrainOptions(args.model, args.world_size, args.dataset, args.steps, args.batch_size, max_length,
                         tuple(c.spec() for c in configs), static, budget, args.micro_batch_tokens, buckets, args.lr,
                         args.seed, args.zero1, getattr(args, "save_final", None), **extra)

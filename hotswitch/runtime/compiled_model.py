@@ -27,6 +27,7 @@ from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placement
 from hotswitch.compiler.trace import LogicGraph
 from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Topology, from_torch, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device, synchronize
+from hotswitch.runtime.backend import GraphRunner
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
 from hotswitch.runtime.shared import JobOnce, SharedCache, trace_once
 from hotswitch.switch.executor import BackgroundMove, SwitchStats, execute_plan
@@ -68,7 +69,7 @@ class ConfigState:
 class CompiledModel:
     def __init__(self, model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
                  topology: Topology | None = None, lazy: bool = False, progress=None,
-                 logic: LogicGraph | None = None, cp_layout: str = "contiguous"):
+                 logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager"):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU), on every rank")
@@ -92,7 +93,10 @@ class CompiledModel:
         t0 = time.perf_counter()
         # sharding decisions and the LogicGraph: computed by one rank for all, and kept on disk for
         # later processes (HOTSWITCH_CACHE=0: off)
-        self._cache = SharedCache(default_cache(), JobOnce())
+        disk = default_cache()
+        self._cache = SharedCache(disk, JobOnce())
+        # how ExecGraphs run: op by op, or compiled by Inductor on first use (its caches beside ours)
+        self._runner = GraphRunner(backend, disk.directory if disk is not None else None, report)
         # `logic`: this model's LogicGraph from an earlier compile (elastic changes re-compile, not re-trace)
         self.logic_source = "given"  # or "traced" (by this rank), "loaded" (this process, the cache or a rank had it)
         if logic is None:
@@ -145,6 +149,16 @@ class CompiledModel:
     @property
     def configs(self) -> tuple[DistConfig, ...]:
         return self._configs
+
+    @property
+    def backend(self) -> str:
+        """How ExecGraphs run: "eager" or "inductor" (see hotswitch.runtime.backend)."""
+        return self._runner.backend
+
+    @property
+    def graph_runner(self) -> GraphRunner:
+        """The backend's bookkeeping: graphs compiled, seconds spent compiling, graphs left eager."""
+        return self._runner
 
     @property
     def active(self) -> str:
@@ -403,7 +417,8 @@ class CompiledModel:
         st.last_shapes = shapes
         gm = self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=True, reduce=True).joint
         with self._attention(st):
-            outs = gm(*self._local_params(), *self._buffers, *local_inputs)
+            outs = self._runner(gm, f"{st.config.name}'s training step")(*self._local_params(), *self._buffers,
+                                                                          *local_inputs)
         self._add_grads(dict(zip(self.logic.param_names, outs[1:])), grad_scale)
         return outs[0].detach()
 
@@ -417,7 +432,8 @@ class CompiledModel:
         self._check_split(st, self._global_input_shapes(st, local_inputs))
         gm = self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=False, reduce=True).joint
         with torch.no_grad(), self._attention(st):
-            return gm(*self._local_params(), *self._buffers, *local_inputs)[0]
+            return self._runner(gm, f"{st.config.name}'s forward")(*self._local_params(), *self._buffers,
+                                                                   *local_inputs)[0]
 
     def _attention(self, st: ConfigState):
         """Under cp, `document_attention` on a sequence shard fetches the keys and values other cp
@@ -845,11 +861,12 @@ class CompiledModel:
             next_rank = int(grid[st.stage + 1][pos]) if st.stage < pp - 1 else None
         sums, stats = run_step(programs, [self._local[n] for n in held], self._buffers, micro, stage=st.stage,
                                num_stages=pp, prev_rank=prev_rank, next_rank=next_rank, schedule=schedule,
-                               accumulate_dtype=self.grad_dtype if train else None, device=self.device)
+                               accumulate_dtype=self.grad_dtype if train else None, device=self.device,
+                               run=lambda gm, what: self._runner(gm, f"{st.config.name}'s {what}"))
         self.last_step = stats
         loss = torch.zeros((), dtype=torch.float32, device=self.device)
         if train or programs[0].is_last:
-            outs = reduction_for(st, programs[0], sums)(*sums)
+            outs = self._runner(reduction_for(st, programs[0], sums), f"{st.config.name}'s gradient reduction")(*sums)
             if programs[0].is_last:
                 loss = outs[0].detach().to(torch.float32) if st.full_mesh is not None else outs[0].detach()
             if train:
@@ -918,7 +935,7 @@ def _cp_tokens(layout: str, document_ids: torch.Tensor, cp: int, rank: int) -> t
 
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
             topology: Topology | None = None, lazy: bool = False, progress=None,
-            logic: LogicGraph | None = None, cp_layout: str = "contiguous") -> CompiledModel:
+            logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager") -> CompiledModel:
     """Trace `model` once and compile it for every config.
 
     `model`: forward returns a scalar mean loss, or an object or dict with a `loss` entry (Hugging
@@ -933,6 +950,8 @@ def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = T
     `progress(message)` is called as each phase starts ("tracing", "compiling dp4", ...).
     `cp_layout` ("contiguous", "zigzag", "document"; CP_LAYOUTS): how cp configs lay the sequence out;
     the last two move tokens and need a model whose attention reads `document_ids`.
+    `backend`: "eager" runs each ExecGraph op by op; "inductor" compiles it with Inductor on its first
+    run (kept with the program; a graph Inductor refuses runs eagerly, with a warning saying why).
     """
     return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy, progress=progress,
-                         logic=logic, cp_layout=cp_layout)
+                         logic=logic, cp_layout=cp_layout, backend=backend)

@@ -88,10 +88,12 @@ def schedule_order(
 def run_step(programs: list[StageProgram], params: list[torch.Tensor], buffers: list[torch.Tensor],
              micro_inputs: list[tuple[torch.Tensor, ...]], *, stage: int, num_stages: int, prev_rank: int | None,
              next_rank: int | None, schedule: str, accumulate_dtype: torch.dtype | None = None,
-             device: torch.device | None = None):
+             device: torch.device | None = None, run=None):
     """Run this rank's part of one step: every micro-batch's forward and (training) backward in
     the schedule's order, with the point-to-point exchanges. Returns (sums of the deferred outputs
-    - loss parts, then parameter gradients - over the micro-batches, StepStats)."""
+    - loss parts, then parameter gradients - over the micro-batches, StepStats). `run(gm, what)`:
+    what to call for a program (`runtime.backend.GraphRunner`; default: the GraphModule itself)."""
+    run = run or (lambda gm, what: gm)
     t0 = time.perf_counter()
     device = device if device is not None else (params[0].device if params else torch.device("cpu"))
     k = len(micro_inputs)
@@ -149,7 +151,7 @@ def run_step(programs: list[StageProgram], params: list[torch.Tensor], buffers: 
         stats.order.append(f"{kind}{i}")
         if kind == "F":
             acts = recv(p.recv_acts, prev_rank) if prev_rank is not None and p.recv_acts else []
-            outs = p.forward(*params, *buffers, *micro_inputs[i], *acts)
+            outs = run(p.forward, f"stage {stage}'s forward")(*params, *buffers, *micro_inputs[i], *acts)
             sent = outs[:p.n_acts_out]
             if sent:
                 send(sent, next_rank)
@@ -167,7 +169,7 @@ def run_step(programs: list[StageProgram], params: list[torch.Tensor], buffers: 
                 grads_in = rest
             else:
                 grads_out = recv(p.recv_grads, next_rank) if next_rank is not None else []
-                back = p.backward(*rest, *grads_out)
+                back = run(p.backward, f"stage {stage}'s backward")(*rest, *grads_out)
                 deferred = deferred + list(back[:p.n_params])
                 grads_in = back[p.n_params:]
             add(deferred)

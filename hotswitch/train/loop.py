@@ -40,6 +40,7 @@ class TrainOptions:
     backend: str | None = None  # nccl | gloo; None: nccl when every process gets a GPU
     prefetch: bool = True  # the next config's weights move while the current one computes
     cp_layout: str = "contiguous"  # how cp configs lay out the sequence (CompiledModel.cp_layout)
+    compile_backend: str = "eager"  # how ExecGraphs run: op by op, or compiled by Inductor (runtime.backend)
 
 
 def build_model(opts: TrainOptions):
@@ -94,7 +95,7 @@ class TrainingRun:
                                buckets=bounds or opts.buckets,
                                micro_batch_tokens=opts.micro_batch_tokens, zero1=opts.zero1,
                                prefetch=opts.prefetch, progress=Progress() if self.show else None,
-                               cp_layout=opts.cp_layout)
+                               cp_layout=opts.cp_layout, backend=opts.compile_backend)
         if bounds is None and opts.buckets is None:
             self.trainer.choose_buckets([len(s) for s in self.dataset])  # from the dataset's length distribution
         self.bounds = self.trainer.bucket_bounds([len(s) for s in self.dataset])

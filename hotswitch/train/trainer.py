@@ -149,7 +149,9 @@ class Trainer:
     (default False: an op DTensor cannot shard at some micro-batch shape, e.g. GQA's head
     regrouping with one row under tp > kv heads, runs replicated with a warning instead of failing;
     results stay exact), `logic` (the LogicGraph of an
-    earlier Trainer of the same model: skips tracing). Call `step` with the same global batch on every rank.
+    earlier Trainer of the same model: skips tracing), `cp_layout` (see `hs.compile`), `backend`
+    ("eager", or "inductor": every ExecGraph compiled by Inductor on its first step; "auto"'s
+    measurements run eagerly). Call `step` with the same global batch on every rank.
     """
 
     def __init__(self, model: nn.Module, configs, optimizer: dict | None = None, memory_budget_bytes: int | None = None,
@@ -158,7 +160,7 @@ class Trainer:
                  compute_dtype: torch.dtype | None = None, zero1: bool | None = None, length_multiple: int = 16,
                  profile_repeats: int = 3, strict: bool = False, topology: Topology | None = None,
                  progress: Callable[[str], None] | None = None, logic=None, prefetch: bool = True,
-                 cp_layout: str = "contiguous"):
+                 cp_layout: str = "contiguous", backend: str = "eager"):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.Trainer needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
@@ -241,7 +243,8 @@ class Trainer:
                              "use cp_layout='contiguous'")
         example = self._inputs(D.full_length_micro_batch(2, self.length_multiple))
         self.cm: CompiledModel = hs_compile(self.loss_module, example, self.configs, lazy=True, topology=topology,
-                                            strict=strict, logic=logic, progress=self._report, cp_layout=cp_layout)
+                                            strict=strict, logic=logic, progress=self._report, cp_layout=cp_layout,
+                                            backend=backend)
         self.cm.grad_dtype = torch.float32
         self.cost = CostModel(memory_budget_bytes)
         self.step_count = 0

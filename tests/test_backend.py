@@ -1,0 +1,60 @@
+"""hotswitch.runtime.backend on one process: how an ExecGraph runs (eager, or compiled by Inductor once,
+its caches under hotswitch's), and a graph Inductor refuses running eagerly with a warning naming it."""
+import os
+
+import pytest
+import torch
+import torch.fx as fx
+
+from hotswitch.runtime.backend import GraphRunner, check_backend
+
+
+def _graph(fn) -> fx.GraphModule:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    g.output((g.call_function(fn, (x,)),))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _affine(x):
+    return torch.ops.aten.add.Tensor(torch.ops.aten.mul.Tensor(x, 3.0), 1.0)
+
+
+def _scaled_by_its_max(x):
+    # a Python number read from a tensor's value: no compiled graph can hold it
+    return x * float(x.max())
+
+
+def test_unknown_backend_names_the_choices():
+    with pytest.raises(ValueError, match="'eager'.*'inductor'"):
+        check_backend("tensorrt")
+
+
+def test_eager_runs_the_graph_module_itself():
+    gm = _graph(_affine)
+    assert GraphRunner("eager")(gm) is gm
+
+
+def test_inductor_compiles_once_into_hotswitch_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    runner = GraphRunner("inductor", cache_directory=tmp_path)
+    gm = _graph(_affine)
+    run = runner(gm, "the affine graph")
+    assert runner(gm) is run  # one compiled program per graph
+    x = torch.randn(5)
+    for _ in range(2):
+        (out,) = run(x)
+        torch.testing.assert_close(out, x * 3 + 1)
+    assert runner.compiled == 1 and runner.fallbacks == [] and runner.seconds > 0
+    assert any((tmp_path / "inductor").iterdir())  # Inductor's artifacts, beside hotswitch's cache
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # restored after compiling
+
+
+def test_a_graph_inductor_refuses_runs_eagerly_with_a_warning(tmp_path):
+    runner = GraphRunner("inductor", cache_directory=tmp_path)
+    gm = _graph(_scaled_by_its_max)
+    x = torch.tensor([1.0, -2.0, 4.0])
+    with pytest.warns(UserWarning, match=r"Inductor could not compile dp4's step \(.*\); that graph runs eagerly"):
+        (out,) = runner(gm, "dp4's step")(x)
+    torch.testing.assert_close(out, x * 4.0)
+    assert runner.fallbacks == ["dp4's step"] and runner.compiled == 0
