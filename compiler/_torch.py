@@ -10,7 +10,8 @@ from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 
 __all__ = ["FakeTensorMode", "OpOverload", "arg_leaves", "codegen", "core_aten_decompositions", "detect_fake_mode",
-           "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "op_schema", "pytree", "symbolic_fake_mode", "symbols_of"]
+           "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "op_schema", "pytree",
+           "symbolic_fake_mode", "symbols_of"]
 
 OpOverload = torch._ops.OpOverload
 
