@@ -103,7 +103,7 @@ def test_help_imports_no_torch():
         "import sys, contextlib, io\n"
         "from hotswitch.cli import main\n"
         "for argv in ([], ['demo'], ['train'], ['bench'], ['bench', 'switch'], ['bench', 'train'],\n"
-        "             ['bench', 'elastic'], ['bench', 'cp'], ['plan']):\n"
+        "             ['bench', 'elastic'], ['bench', 'cp'], ['bench', 'step'], ['plan']):\n"
         "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
         "        main(argv + ['--help'])\n"
         "heavy = sorted(m for m in ('torch', 'numpy', 'transformers', 'hotswitch.compiler') if m in sys.modules)\n"

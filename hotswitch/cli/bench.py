@@ -1,4 +1,4 @@
-"""`hotswitch bench switch|train|elastic|gpu|cp`: the benchmarks' command lines (the measurements live in
+"""`hotswitch bench switch|train|elastic|gpu|cp|step`: the benchmarks' command lines (the measurements live in
 `hotswitch.bench`)."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ __all__ = ["add_parser"]
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks: switch, train, elastic, gpu, cp",
+    p = subparsers.add_parser("bench", help="benchmarks: switch, train, elastic, gpu, cp, step",
                               formatter_class=HelpFormatter,
                               description="Measure what hot switching costs and gains; 'hotswitch bench BENCH --help' "
                               "describes each.")
@@ -95,6 +95,24 @@ def add_parser(subparsers) -> None:
     add_json_argument(q, "bench_cp.json", "the results")
     q.add_argument("--plot", default="bench_cp.png", metavar="PATH", help="where to draw the chart")
     q.set_defaults(run=run_bench_cp)
+
+    q = sub.add_parser("step", help="one training step: hotswitch (eager and Inductor) vs DDP and DTensor tensor "
+                       "parallelism (eager and torch.compile), our GPT and an HF Llama",
+                       description=_docstring("hotswitch.bench.step"), formatter_class=HelpFormatter)
+    q.add_argument("--world-size", type=int, default=4, help="processes to spawn (the dp and tp degree)")
+    q.add_argument("--models", default="gpt,llama", help="comma-separated: gpt (ours), llama (Hugging Face)")
+    q.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    q.add_argument("--dim", type=int, default=256, help="model width")
+    q.add_argument("--heads", type=int, default=8, help="attention heads (as many key/value heads)")
+    q.add_argument("--rows", type=int, default=8, help="global batch rows")
+    q.add_argument("--length", type=int, default=128, help="tokens per row")
+    q.add_argument("--repeats", type=int, default=6, help="timed steps per method; the median is reported")
+    q.add_argument("--warmup", type=int, default=1, help="untimed steps first (the first one compiles)")
+    q.add_argument("--eager-only", action="store_true", help="skip Inductor and torch.compile (minutes of "
+                   "compiling on a small CPU)")
+    add_json_argument(q, "bench_step.json", "the results")
+    q.add_argument("--plot", default="bench_step.png", metavar="PATH", help="where to draw the chart")
+    q.set_defaults(run=run_bench_step)
     p.set_defaults(run=lambda args: p.print_help() or 2)
 
 
@@ -134,6 +152,16 @@ def run_bench_cp(args) -> int:
     return cp.run(cp.CpBenchOptions(world_size=args.world_size, row_lengths=row_lengths, rows=rows, dim=args.dim,
                                     heads=args.heads, kv_heads=args.kv_heads, repeats=args.repeats, seed=args.seed,
                                     balance=args.balance, json_path=args.json, png_path=args.plot))
+
+
+def run_bench_step(args) -> int:
+    from hotswitch.bench import step
+
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    return step.run(step.StepBenchOptions(world_size=args.world_size, models=models, layers=args.layers, dim=args.dim,
+                                          heads=args.heads, rows=args.rows, length=args.length, repeats=args.repeats,
+                                          warmup=max(1, args.warmup), compiled=not args.eager_only,
+                                          json_path=args.json, png_path=args.plot))
 
 
 def run_bench_gpu(args) -> int:
