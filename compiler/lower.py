@@ -1001,9 +1001,49 @@ def _tag_phases(graph: fx.Graph, forward_outputs: int | tuple[int, ...]) -> None
 
 def collectives(gm: fx.GraphModule, phase: str | None = None) -> list[fx.Node]:
     """The collective nodes of an ExecGraph (waits excluded), optionally of one phase."""
-    return [n for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("_c10d_functional.")
-            and "wait_tensor" not in str(n.target)
+    return [n for n in gm.graph.nodes if _is_collective(n)
             and (phase is None or n.meta.get("custom", {}).get("phase") == phase)]
+
+
+def issue_reductions_early(gm: fx.GraphModule) -> int:
+    """DDP's overlap, in the graph: each gradient bucket's all-reduce, with the concatenation and
+    views that pack it, moves to right after the last value it carries is computed. It then runs
+    on the process group's side (gloo's thread, NCCL's stream) while the backward goes on; its wait
+    stays where the result is first read, at the end. Returns how many all-reduces moved. Ranks of
+    a group run alike graphs, so they still issue their collectives in one order."""
+    moved = 0
+    for node in [n for n in gm.graph.nodes if _is_reduce_phase(n) and _is_collective(n)
+                 and collective_kind(n) == "all_reduce"]:
+        chain, stack = set(), [node]
+        while stack:  # the node and the packing ops feeding it (never a wait: that would block early)
+            n = stack.pop()
+            if n in chain:
+                continue
+            chain.add(n)
+            stack += [a for a in n.all_input_nodes if a.op == "call_function" and _is_reduce_phase(a)
+                      and not _is_collective(a) and "wait_tensor" not in str(a.target)]
+        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        anchor = max((a for c in chain for a in c.all_input_nodes if a not in chain), key=position.__getitem__)
+        ordered = sorted(chain, key=position.__getitem__)
+        if position[anchor] + 1 == position[ordered[0]] and all(
+                position[b] == position[a] + 1 for a, b in zip(ordered, ordered[1:])):
+            continue  # already right after its inputs
+        for c in ordered:
+            anchor.append(c)
+            anchor = c
+        moved += 1
+    if moved:
+        gm.recompile()
+    return moved
+
+
+def _is_reduce_phase(node: fx.Node) -> bool:
+    return node.meta.get("custom", {}).get("phase") == "reduce"
+
+
+def _is_collective(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target).startswith("_c10d_functional.") \
+        and "wait_tensor" not in str(node.target)
 
 
 def collective_kind(node: fx.Node) -> str:

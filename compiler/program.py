@@ -37,6 +37,7 @@ from .lower import (
     OutputPlan,
     ShardingDecisions,
     StageOutputPlan,
+    issue_reductions_early,
     lower,
     propagate_graph,
     reads_coordinate,
@@ -296,6 +297,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             try:
                 gm = lower(graph, sharding, local, plan, mesh, device=where.device,
                            traced=None if memo is None else memo.setdefault("traced", {}))
+                if reduce:
+                    issue_reductions_early(gm)  # the gradient buckets reduced behind the rest of the backward
             except BaseException:
                 if shared is not None:
                     cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)

@@ -148,6 +148,32 @@ def check_a_warm_cache_replays_decisions():
     return out
 
 
+def check_gradient_buckets_reduce_behind_the_backward():
+    """Gradients over DDP's 25 MiB bucket (an 8192 x 512 embedding and LM head: 32 MiB) make two
+    buckets under dp2. The first (the LM head and the last block, which the backward finishes first)
+    is all-reduced right after its last gradient, while the rest of the backward runs; its wait stays
+    at the end. Loss and gradients equal one device's."""
+    from hotswitch.compiler.lower import collective_kind, collectives
+    from hotswitch.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("gpt-tiny", vocab_size=8192, dim=512, n_layers=1, n_heads=4, n_kv_heads=4)
+    ids, labels = batch()
+    loss_ref, grads_ref = reference(model, ids, labels)
+    cm = hs.compile(model, (ids, labels), configs=["dp2"])
+    gm = cm.exec_graph("dp2")
+    nodes = list(gm.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    reduces = [n for n in collectives(gm, "reduce") if collective_kind(n) == "all_reduce"]
+    last_backward = max(i for i, n in enumerate(nodes) if n.meta.get("custom", {}).get("phase") == "backward")
+    first, wait = reduces[0], next(iter(reduces[0].users))
+    loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
+    grads = cm.full_grads()
+    return dict(buckets=len(reduces), first=position[first], wait=position[wait], last_backward=last_backward,
+                wait_target=str(wait.target), loss_error=rel_err(loss, loss_ref),
+                grad_error=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
+
+
 def check_lowering_equals_make_fx():
     """Programs built node by node equal the make_fx interpreter's: a vocab-parallel embedding and
     sequence parallelism (our GPT), pipeline stages, GQA's strided heads (Llama), Conv1D (GPT-2)."""
@@ -158,7 +184,7 @@ def check_lowering_equals_make_fx():
 
 results = dist_fixture(2, [check_lowering_equals_make_fx, check_gpt_equivalence, check_llama_equivalence,
                            check_gpt2_equivalence, check_learned_positions_with_a_tied_embedding,
-                           check_a_warm_cache_replays_decisions,
+                           check_a_warm_cache_replays_decisions, check_gradient_buckets_reduce_behind_the_backward,
                            check_wrong_device_count, check_tp_not_dividing_heads, check_unknown_config,
                            check_op_without_rule, check_op_without_rule_non_strict])
 
@@ -178,6 +204,14 @@ def test_hf_gpt2_matches_single_device(results):
 def test_learned_positions_with_a_tied_embedding_match_single_device(results):
     for errors in results["check_learned_positions_with_a_tied_embedding"].raise_if_failed():
         assert all(e <= 1e-5 for e in errors.values()), errors
+
+
+def test_gradient_buckets_reduce_behind_the_backward(results):
+    for r in results["check_gradient_buckets_reduce_behind_the_backward"].raise_if_failed():
+        assert r["buckets"] == 2, r
+        assert r["first"] < r["last_backward"] < r["wait"], r  # issued mid-backward, awaited after it
+        assert "wait_tensor" in r["wait_target"], r
+        assert r["loss_error"] <= 1e-5 and r["grad_error"] <= 1e-5, r
 
 
 def test_wrong_device_count(results):
