@@ -41,6 +41,7 @@ from .lower import (
     lower,
     propagate_graph,
     reads_coordinate,
+    wait_where_read,
 )
 from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
@@ -299,6 +300,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                            traced=None if memo is None else memo.setdefault("traced", {}))
                 if reduce:
                     issue_reductions_early(gm)  # the gradient buckets reduced behind the rest of the backward
+                wait_where_read(gm)  # collectives in flight while what does not need them computes
             except BaseException:
                 if shared is not None:
                     cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)

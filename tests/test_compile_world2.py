@@ -174,6 +174,21 @@ def check_gradient_buckets_reduce_behind_the_backward():
                 grad_error=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
 
 
+def check_waits_sit_where_results_are_read():
+    """Under tp2 every collective's wait sits right before the first op that reads its result (with
+    the other waits that op reads), and
+    some ops that do not need it (weight gradients in the backward) run while it is in flight."""
+    cm = hs.compile(make_model("gpt"), batch(), configs=["tp2"])
+    nodes = list(cm.exec_graph("tp2").graph.nodes)
+    waits = [(i, n) for i, n in enumerate(nodes) if "wait_tensor" in str(n.target)]
+
+    def next_op(i):  # waits read by one op sit together before it
+        return next(m for m in nodes[i + 1:] if "wait_tensor" not in str(m.target))
+    return dict(waits=len(waits),
+                right_before_a_reader=sum(next_op(i) in n.users for i, n in waits),
+                with_work_in_flight=sum(i - nodes.index(n.args[0]) > 1 for i, n in waits))
+
+
 def check_lowering_equals_make_fx():
     """Programs built node by node equal the make_fx interpreter's: a vocab-parallel embedding and
     sequence parallelism (our GPT), pipeline stages, GQA's strided heads (Llama), Conv1D (GPT-2)."""
@@ -185,8 +200,9 @@ def check_lowering_equals_make_fx():
 results = dist_fixture(2, [check_lowering_equals_make_fx, check_gpt_equivalence, check_llama_equivalence,
                            check_gpt2_equivalence, check_learned_positions_with_a_tied_embedding,
                            check_a_warm_cache_replays_decisions, check_gradient_buckets_reduce_behind_the_backward,
-                           check_wrong_device_count, check_tp_not_dividing_heads, check_unknown_config,
-                           check_op_without_rule, check_op_without_rule_non_strict])
+                           check_waits_sit_where_results_are_read, check_wrong_device_count,
+                           check_tp_not_dividing_heads, check_unknown_config, check_op_without_rule,
+                           check_op_without_rule_non_strict])
 
 
 def test_gpt_matches_single_device(results):
@@ -212,6 +228,12 @@ def test_gradient_buckets_reduce_behind_the_backward(results):
         assert r["first"] < r["last_backward"] < r["wait"], r  # issued mid-backward, awaited after it
         assert "wait_tensor" in r["wait_target"], r
         assert r["loss_error"] <= 1e-5 and r["grad_error"] <= 1e-5, r
+
+
+def test_waits_sit_where_results_are_read(results):
+    for r in results["check_waits_sit_where_results_are_read"].raise_if_failed():
+        assert r["waits"] > 0 and r["right_before_a_reader"] == r["waits"], r
+        assert r["with_work_in_flight"] >= 2, r  # at least the two blocks' backward all-reduces
 
 
 def test_wrong_device_count(results):
