@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from hotswitch.bench.common import launch_and_report, max_over_ranks
 from hotswitch.distconfig.tokens import Documents, document_placement, zigzag_placement
-from hotswitch.progress import write_json
 from hotswitch.runtime.cp_attention import CPAttentionPlan, cp_attention
 from hotswitch.train.data import pack_rows, synthetic_skewed
 
@@ -69,8 +69,6 @@ def skewed_batch(row_length: int, rows: int, seed: int = 0):
 
 def run(options: CpBenchOptions = CpBenchOptions()) -> int:
     """Measure every batch and layout on `options.world_size` processes, print, write JSON and PNG."""
-    from hotswitch.distributed.launch import LaunchError, launch
-
     o = options
     if o.heads % o.world_size or o.kv_heads % o.world_size or o.heads % o.kv_heads:
         print(f"hotswitch bench cp: {o.heads} heads and {o.kv_heads} key/value heads must both divide over "
@@ -79,18 +77,8 @@ def run(options: CpBenchOptions = CpBenchOptions()) -> int:
     print(f"hotswitch bench cp: one attention layer (dim {o.dim}, {o.heads} heads, {o.kv_heads} kv heads, fp32) "
           f"on {' or '.join(map(str, o.rows))} skewed packed rows of {', '.join(map(str, o.row_lengths))} tokens, "
           f"{o.world_size} CPU processes (gloo), median of {o.repeats}", flush=True)
-    try:
-        batches = launch(_worker, o.world_size, o, backend="gloo")
-    except LaunchError as e:
-        print(f"hotswitch bench cp: {e}", file=sys.stderr, flush=True)
-        return 1
-    result = {"options": asdict(o), "batches": batches}
-    print(format_table(result))
-    write_json(o.json_path, result)
-    if o.png_path:
-        plot(result, o.png_path)
-    print(f"wrote {', '.join(p for p in (o.json_path, o.png_path) if p)}")
-    return 0
+    return launch_and_report("hotswitch bench cp", _worker, o,
+                             lambda batches: {"options": asdict(o), "batches": batches}, format_table, plot)
 
 
 def format_table(result: dict) -> str:
@@ -144,10 +132,6 @@ def _worker(rank: int, o: CpBenchOptions) -> list[dict]:
     return out
 
 
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 class _Layer:
@@ -189,9 +173,9 @@ class _Layer:
             dist.barrier()
             t0 = time.perf_counter()
             step()
-            times.append(_max_over_ranks(time.perf_counter() - t0))
-        return dict(seconds=statistics.median(times), bytes_per_rank=_max_over_ranks(received), imbalance=imbalance,
-                    plan_seconds=_max_over_ranks(plan_seconds), max_error=_max_over_ranks(max_error))
+            times.append(max_over_ranks(time.perf_counter() - t0))
+        return dict(seconds=statistics.median(times), bytes_per_rank=max_over_ranks(received), imbalance=imbalance,
+                    plan_seconds=max_over_ranks(plan_seconds), max_error=max_over_ranks(max_error))
 
     def _cp(self, layout: str):
         """Replicated weights, tokens where the placement puts them, keys/values fetched per plan."""

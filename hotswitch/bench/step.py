@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from hotswitch.progress import write_json
+from hotswitch.bench.common import launch_and_report, max_over_ranks
 
 __all__ = ["StepBenchOptions", "format_table", "run"]
 
@@ -54,8 +54,6 @@ class StepBenchOptions:
 
 def run(options: StepBenchOptions = StepBenchOptions()) -> int:
     """Measure every model and method on `options.world_size` processes; print, write JSON and PNG."""
-    from hotswitch.distributed.launch import LaunchError, launch
-
     o = options
     if o.heads % o.world_size or o.rows % o.world_size or o.dim % o.heads:
         print(f"hotswitch bench step: {o.heads} heads and {o.rows} rows must divide over {o.world_size} ranks "
@@ -68,18 +66,8 @@ def run(options: StepBenchOptions = StepBenchOptions()) -> int:
     print(f"hotswitch bench step: {', '.join(o.models)} ({o.layers} layers, width {o.dim}, {o.heads} heads, "
           f"vocab {o.vocab}, fp32), global batch {o.rows} x {o.length}, {o.world_size} CPU processes (gloo), "
           f"median of {o.repeats} steps after {o.warmup}", flush=True)
-    try:
-        models = launch(_worker, o.world_size, o, backend="gloo")
-    except LaunchError as e:
-        print(f"hotswitch bench step: {e}", file=sys.stderr, flush=True)
-        return 1
-    result = {"options": asdict(o), "models": models}
-    print(format_table(result))
-    write_json(o.json_path, result)
-    if o.png_path:
-        plot(result, o.png_path)
-    print(f"wrote {', '.join(p for p in (o.json_path, o.png_path) if p)}")
-    return 0
+    return launch_and_report("hotswitch bench step", _worker, o,
+                             lambda models: {"options": asdict(o), "models": models}, format_table, plot)
 
 
 # (parallelism, hotswitch method, peer method) pairs the ratios compare
@@ -247,10 +235,10 @@ def _measure(make_step, o: StepBenchOptions) -> dict:
         dist.barrier()
         t = time.perf_counter()
         step = make_step()
-        setup = _max_over_ranks(time.perf_counter() - t)
+        setup = max_over_ranks(time.perf_counter() - t)
         t = time.perf_counter()
         loss = step()
-        first = _max_over_ranks(time.perf_counter() - t)
+        first = max_over_ranks(time.perf_counter() - t)
         for _ in range(o.warmup - 1):
             step()
         times = []
@@ -258,7 +246,7 @@ def _measure(make_step, o: StepBenchOptions) -> dict:
             dist.barrier()
             t = time.perf_counter()
             loss = step()
-            times.append(_max_over_ranks(time.perf_counter() - t))
+            times.append(max_over_ranks(time.perf_counter() - t))
     except Exception as e:  # noqa: BLE001 - reported in the table (every rank fails alike: same model, same code)
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]}
     return {"seconds": statistics.median(times), "first_seconds": first, "setup_seconds": setup, "loss": float(loss)}
@@ -287,8 +275,3 @@ def _one_device(model, ids, labels, o: StepBenchOptions) -> dict:
     dist.barrier()
     return result
 
-
-def _max_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()

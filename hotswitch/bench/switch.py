@@ -27,6 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from hotswitch.bench.common import max_over_ranks
 from hotswitch.distconfig import standard_configs
 from hotswitch.progress import write_json
 
@@ -86,7 +87,7 @@ def worker(rank: int, model_name: str, config_specs, repeats: int, batch: int, s
             times: dict[str, list[float]] = {algorithm: [] for algorithm in ALGORITHMS}
             for _ in range(repeats):
                 for algorithm in ALGORITHMS:
-                    times[algorithm].append(_max_over_ranks(go(algorithm)))
+                    times[algorithm].append(max_over_ranks(go(algorithm)))
             for algorithm in ALGORITHMS:
                 rows.append({"from": a, "to": b, "method": algorithm,
                              "measured_seconds": statistics.median(times[algorithm]),
@@ -126,9 +127,9 @@ def _behind_compute(cm, a: str, b: str, batch: tuple, repeats: int) -> list[dict
             stats = cm.switch(b)
             t2 = time.perf_counter()
             if i:
-                computing.append(_max_over_ranks(t1 - t0))
-                exposed.append(_max_over_ranks(t2 - t1))
-                overlapped.append(_max_over_ranks(stats.overlapped_seconds))
+                computing.append(max_over_ranks(t1 - t0))
+                exposed.append(max_over_ranks(t2 - t1))
+                overlapped.append(max_over_ranks(stats.overlapped_seconds))
         cm.zero_grad()
         out.append({"from": a, "to": b, "method": "greedy+grads prefetched" if prefetch else "greedy+grads",
                     "measured_seconds": statistics.median(exposed),
@@ -137,10 +138,6 @@ def _behind_compute(cm, a: str, b: str, batch: tuple, repeats: int) -> list[dict
     return out
 
 
-def _max_over_ranks(seconds: float) -> float:
-    t = torch.tensor([seconds])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _plan_numbers(plan) -> dict:
