@@ -102,23 +102,29 @@ def format_table(result: dict) -> str:
 
 
 def plot(result: dict, path: str) -> None:
-    """Step time per method, one group of bars per model."""
+    """Step time per method: data parallelism and tensor parallelism side by side, one group of bars
+    per model, one device in both for scale."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     entries = result["models"]
-    names = list(dict.fromkeys(n for e in entries for n in e["methods"]))
-    fig, ax = plt.subplots(figsize=(12, 4.5))
-    width = 0.8 / max(1, len(names))
-    for i, name in enumerate(names):
-        xs = [k + (i - (len(names) - 1) / 2) * width for k in range(len(entries))]
-        ys = [e["methods"].get(name, {}).get("seconds", float("nan")) * 1e3 for e in entries]
-        ax.bar(xs, ys, width, label=name)
-    ax.set_xticks(range(len(entries)), [e["model"] for e in entries])
-    ax.set_ylabel("training step, slowest rank (ms)")
-    ax.legend(fontsize=8, ncol=2)
+    panels = (("data parallelism", ("hotswitch dp eager", "hotswitch dp inductor", "DDP eager", "DDP compiled")),
+              ("tensor parallelism", ("hotswitch tp eager", "hotswitch tp inductor", "DTensor TP eager",
+                                      "DTensor TP compiled")))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, (title, names) in zip(axes, panels):
+        names = [n for n in (*names, "one device") if any(n in e["methods"] for e in entries)]
+        width = 0.8 / max(1, len(names))
+        for i, name in enumerate(names):
+            xs = [k + (i - (len(names) - 1) / 2) * width for k in range(len(entries))]
+            ys = [e["methods"].get(name, {}).get("seconds", float("nan")) * 1e3 for e in entries]
+            ax.bar(xs, ys, width, label=name)
+        ax.set_xticks(range(len(entries)), [e["model"] for e in entries])
+        ax.set_title(title)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
+    axes[0].set_ylabel("training step, slowest rank (ms)")
     o = result["options"]
     fig.suptitle(f"one step, global batch {o['rows']} x {o['length']}, {o['world_size']} ranks (gloo, CPU)")
     fig.savefig(path, dpi=120, bbox_inches="tight")
