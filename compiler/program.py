@@ -47,7 +47,7 @@ from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
 from .trace import LogicGraph
 
-__all__ = ["StageMesh", "StageProgram", "lower_program"]
+__all__ = ["StageMesh", "StageProgram", "constants_digest", "lower_program"]
 
 
 @dataclass(frozen=True)
@@ -120,8 +120,9 @@ def _graph_text(graph: fx.Graph) -> str:
     return text
 
 
-def _constants(graph: fx.Graph) -> str:
-    """A digest of the tensors a graph reads as attributes: its code names them, the program holds them."""
+def constants_digest(graph: fx.Graph) -> str:
+    """A digest of the tensors a graph reads as attributes: its code names them, the program holds
+    them (part of every key naming a program: the compile cache's, the Inductor runner's)."""
     h = hashlib.sha256()
     for n in graph.nodes:
         if n.op == "get_attr":
@@ -238,7 +239,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         coordinate = tuple(None if any_dp and i == dp_dim else c for i, c in enumerate(mesh.get_coordinate()))
         return cache.key("program", *what, tuple(map(tuple, local_shapes)), coordinate,
                          train, reduce, logic.split_loss, str(where.device), BUCKET_BYTES,
-                         _canonical(decisions), _constants(graph))
+                         _canonical(decisions), constants_digest(graph))
 
     def load(entry):
         try:

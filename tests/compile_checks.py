@@ -162,3 +162,30 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
     finally:
         program.lower = original
         del os.environ["HOTSWITCH_CACHE"]
+
+
+def eager_vs_inductor(kind: str, config: str, micro_batches: int = 1, rows: int | None = None, tol: float = 1e-5,
+                      **overrides) -> dict:
+    """Compile `kind` under `config` with both backends, run one step of the same batch, and compare
+    each with the other and with the single-device model (relative errors, asserted <= tol). Returns
+    the errors, how many graphs Inductor compiled here, and how many alike graphs this rank waited
+    for another rank to compile (then loaded from Inductor's cache)."""
+    model = make_model(kind, **overrides)
+    ids, labels = batch() if rows is None else batch(batch=rows)
+    loss_ref, grads_ref = reference(model, ids, labels)
+    runs = {}
+    for backend in ("eager", "inductor"):
+        cm = hs.compile(model, (ids, labels), configs=[config], backend=backend)
+        loss = cm.forward_backward(*cm.shard_inputs(ids, labels), micro_batches=micro_batches)
+        runs[backend] = (loss, cm.full_grads(), cm.graph_runner)
+    (loss_e, grads_e, _), (loss_i, grads_i, runner) = runs["eager"], runs["inductor"]
+    assert runner.backend == "inductor" and runner.compiled >= 1, runner.compiled
+    assert not runner.fallbacks, f"graphs left eager: {runner.fallbacks}"
+    errors = {
+        "loss vs eager": rel_err(loss_i, loss_e),
+        "loss vs one device": rel_err(loss_i, loss_ref),
+        "grads vs eager": max(rel_err(grads_i[n], grads_e[n]) for n in grads_e),
+        "grads vs one device": max(rel_err(grads_i[n], grads_ref[n]) for n in grads_ref),
+    }
+    assert all(e <= tol for e in errors.values()), errors
+    return {"errors": errors, "compiled": runner.compiled, "waited": runner.once.received if runner.once else 0}

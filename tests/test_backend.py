@@ -58,3 +58,29 @@ def test_a_graph_inductor_refuses_runs_eagerly_with_a_warning(tmp_path):
         (out,) = runner(gm, "dp4's step")(x)
     torch.testing.assert_close(out, x * 4.0)
     assert runner.fallbacks == ["dp4's step"] and runner.compiled == 0
+
+
+def test_alike_graphs_compile_once_per_host(tmp_path):
+    """Two runners on one store (as two data-parallel ranks): the first claims the graph, compiles it
+    and says so; the second finds the claim, waits for that word, and gets Inductor's result from the
+    cache instead of compiling again."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from hotswitch.runtime.shared import JobOnce
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    first, second = (JobOnce(store, wait=datetime.timedelta(seconds=60)) for _ in range(2))
+    second.scope = first.scope  # one job: the ranks number their scopes alike
+    x = torch.randn(7)
+    hits = counters["inductor"]["fxgraph_cache_hit"]
+    outs = []
+    for once in (first, second):
+        runner = GraphRunner("inductor", cache_directory=tmp_path, once=once)
+        (out,) = runner(_graph(_affine), "the step")(x)
+        outs.append(out)
+    assert (first.computed, first.received, second.computed, second.received) == (1, 0, 0, 1)
+    assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1  # the second compile was a cache hit
+    torch.testing.assert_close(outs[0], outs[1])

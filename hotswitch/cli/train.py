@@ -226,7 +226,7 @@ def _elastic_worker(membership, opts):
         print(report.line() + (" (replayed)" if replayed else ""), flush=True)
 
     options = dict(optimizer=dict(name="adamw", lr=opts.lr), memory_budget_bytes=opts.memory_budget, buckets=bounds,
-                   micro_batch_tokens=opts.micro_batch_tokens)
+                   micro_batch_tokens=opts.micro_batch_tokens, backend=opts.compile_backend)
     job = ElasticJob(membership, lambda: build_model(opts), candidates, batch, trainer_options=options,
                      checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every,
                      step_timeout_s=opts.step_timeout, on_step=on_step, log=lambda m: print(m, flush=True))

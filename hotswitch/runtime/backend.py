@@ -11,20 +11,27 @@ stay compiled.
 Inductor's own caches (FX graph cache, AOT autograd cache) live under hotswitch's compile cache
 (`<cache>/inductor`) while hotswitch compiles, unless TORCHINDUCTOR_CACHE_DIR names another place:
 every rank and every later process (another run, an elastic generation) reuses what one compiled.
+Ranks of one host whose graphs are alike (data parallelism's, say) do not compile side by side:
+the first claims the graph (`JobOnce`, on the process group's store), the others wait for it and
+then find Inductor's result in the cache, seconds instead of a compile each.
 """
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
+import socket
 import time
 import warnings
 import weakref
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 
 from hotswitch.compiler._torch import inductor_compile, inductor_default_cache_dir
+from hotswitch.compiler.program import constants_digest
 
 __all__ = ["BACKENDS", "GraphRunner", "check_backend"]
 
@@ -74,8 +81,10 @@ class GraphRunner:
     for "eager"), made once per graph. `seconds` sums the time spent compiling; `fallbacks` names the
     graphs Inductor refused."""
 
-    def __init__(self, backend: str = "eager", cache_directory=None, progress: Callable[[str], None] | None = None):
+    def __init__(self, backend: str = "eager", cache_directory=None, progress: Callable[[str], None] | None = None,
+                 once=None):
         self.backend = check_backend(backend)
+        self.once = once  # a runtime.shared.JobOnce: one compile per alike graph on this host
         # Inductor's caches beside hotswitch's, unless the user named another place for them
         # (Inductor writes its default into the variable itself: that is no user's choice)
         user_directory = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -100,6 +109,9 @@ class GraphRunner:
     def _compile(self, gm: fx.GraphModule, args: tuple, what: str) -> Callable[..., Any]:
         self.progress(f"compiling {what} with Inductor ({len(gm.graph.nodes)} nodes)")
         t0 = time.perf_counter()
+        # alike graphs on this host: the first rank compiles, the others wait, then load its result
+        key = _graph_key(gm, args) if self.once is not None and self.inductor_directory is not None else None
+        claimed = key is not None and self.once.fetch(key) is None
         try:
             with inductor_cache_dir(self.inductor_directory):
                 fn = inductor_compile(gm, list(args))
@@ -110,9 +122,20 @@ class GraphRunner:
             fn = gm
         else:
             self.compiled += 1
+        if claimed:
+            self.once.publish(key, b"compiled")  # or refused: the waiting ranks find out themselves, as fast
         self.seconds += time.perf_counter() - t0
         self.progress(f"compiled {what} in {time.perf_counter() - t0:.1f} s")
         return fn
+
+
+def _graph_key(gm: fx.GraphModule, args: tuple) -> str:
+    """What Inductor's result for `gm` depends on, as far as ranks can share it: the code, the
+    tensors it holds, its inputs' shapes, strides and dtypes, and the host (whose disk holds the cache)."""
+    layout = [(tuple(a.shape), a.stride(), str(a.dtype), str(a.device)) if isinstance(a, torch.Tensor) else repr(a)
+              for a in args]
+    text = repr((socket.gethostname(), gm.code, constants_digest(gm.graph), layout))
+    return "inductor/" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _reason(e: BaseException) -> str:
