@@ -55,10 +55,11 @@ def check_collectives_llama():
     return _compiled_mha("llama", ("tp4", "tp4sp"))  # the DP and 2-D patterns are checked on GPT (suite time)
 
 
-def check_inductor_dp_tp_llama():
-    """dp2 x tp2 of a Hugging Face Llama under Inductor, uneven rows: the same loss and gradients as
-    the eager ExecGraphs and one device."""
-    return eager_vs_inductor("llama", "dp2tp2", num_hidden_layers=1)
+def check_inductor_dp_tp_sp_llama():
+    """dp2 x tp2 with sequence parallelism, a Hugging Face Llama under Inductor, uneven rows: the
+    same loss and gradients as the eager ExecGraphs and one device (data, tensor and sequence
+    parallelism's collectives in one compiled graph)."""
+    return eager_vs_inductor("llama", "dp2tp2sp", num_hidden_layers=1)
 
 
 def check_wrong_device_count():
@@ -105,7 +106,7 @@ def check_dp_ranks_lower_one_program():
 results = dist_fixture(4, [check_dp_ranks_lower_one_program, check_gpt_equivalence, check_llama_equivalence,
                            check_gpt2_equivalence, check_collectives_gpt, check_collectives_llama,
                            check_wrong_device_count, check_replayed_decisions_equal_a_fresh_lowering,
-                           check_inductor_dp_tp_llama])
+                           check_inductor_dp_tp_sp_llama])
 
 
 def test_gpt_matches_single_device(results):
@@ -182,8 +183,8 @@ def test_dp_ranks_lower_one_program_for_all(results):
             assert r[name]["loss_err"] <= 1e-5 and r[name]["grad_err"] <= 1e-5, (name, r)
 
 
-def test_inductor_dp_tp_equals_eager_and_one_device(results):
-    ranks = results["check_inductor_dp_tp_llama"].raise_if_failed()  # errors <= 1e-5, asserted on every rank
+def test_inductor_dp_tp_sp_equals_eager_and_one_device(results):
+    ranks = results["check_inductor_dp_tp_sp_llama"].raise_if_failed()  # errors <= 1e-5, asserted on every rank
     assert all(r["compiled"] == 1 for r in ranks), ranks  # one training-step program per rank
     # every rank's graph is its own (uneven rows; each names its own tp group): none waited for another
     assert all(r["waited"] == 0 for r in ranks), ranks

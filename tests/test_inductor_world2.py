@@ -1,8 +1,8 @@
 """ExecGraphs compiled by Inductor (`hs.compile(..., backend="inductor")`) on 2 gloo processes: the
-losses and gradients of the eager ExecGraphs and of one device, under tensor + sequence parallelism
-and a 2-stage pipeline (stage programs and the once-per-step reduction compiled). One-layer models
-where the config allows: Inductor's C++ codegen is most of the cost. Data x tensor parallelism of an
-HF model under Inductor: tests/test_compile_world4.py."""
+losses and gradients of the eager ExecGraphs and of one device under a 2-stage pipeline (stage
+programs and the once-per-step reduction compiled), and the Trainer taking the backend. Data x
+tensor x sequence parallelism of an HF model under Inductor: tests/test_compile_world4.py.
+Inductor's C++ codegen is most of the cost, so the models are small."""
 import pytest
 
 import hotswitch as hs
@@ -10,13 +10,6 @@ from tests.compile_checks import batch, eager_vs_inductor, make_model
 from tests.distributed import dist_tests
 
 pytestmark = pytest.mark.slow  # spawns gloo processes and compiles with Inductor
-
-def check_gpt_tp_sp():
-    """Megatron TP + SP: all-gathers and reduce-scatters on the sequence, all-reduced norm gradients."""
-    out = eager_vs_inductor("gpt", "tp2sp", n_layers=1)
-    assert out["compiled"] == 1, out  # one training-step program per rank
-    return out
-
 
 def check_gpt_pipeline():
     """pp = 2, two micro-batches of 2 rows (1F1B): stage 0 compiles its forward, its backward and the
@@ -39,4 +32,4 @@ def check_trainer_takes_the_backend():
         hs.compile(make_model("gpt", n_layers=1), batch(), configs=["dp2"], backend="tensorrt")
 
 
-test_world2 = dist_tests(2, [check_gpt_tp_sp, check_gpt_pipeline, check_trainer_takes_the_backend])
+test_world2 = dist_tests(2, [check_gpt_pipeline, check_trainer_takes_the_backend])
