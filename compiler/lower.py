@@ -1021,7 +1021,7 @@ def issue_reductions_early(gm: fx.GraphModule) -> int:
                 continue
             chain.add(n)
             stack += [a for a in n.all_input_nodes if a.op == "call_function" and _is_reduce_phase(a)
-                      and not _is_collective(a) and "wait_tensor" not in str(a.target)]
+                      and not _is_collective(a) and not _is_wait(a)]
         position = {n: i for i, n in enumerate(gm.graph.nodes)}
         anchor = max((a for c in chain for a in c.all_input_nodes if a not in chain), key=position.__getitem__)
         ordered = sorted(chain, key=position.__getitem__)
@@ -1044,7 +1044,7 @@ def wait_where_read(gm: fx.GraphModule) -> int:
     Megatron overlaps them) runs before the wait. Issue order is untouched. Returns how many moved."""
     moved = 0
     position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in [n for n in gm.graph.nodes if n.op == "call_function" and "wait_tensor" in str(n.target)]:
+    for node in [n for n in gm.graph.nodes if _is_wait(n)]:
         if not node.users:
             continue
         first = min(node.users, key=position.__getitem__)
@@ -1061,8 +1061,11 @@ def _is_reduce_phase(node: fx.Node) -> bool:
 
 
 def _is_collective(node: fx.Node) -> bool:
-    return node.op == "call_function" and str(node.target).startswith("_c10d_functional.") \
-        and "wait_tensor" not in str(node.target)
+    return node.op == "call_function" and str(node.target).startswith("_c10d_functional.") and not _is_wait(node)
+
+
+def _is_wait(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target).startswith("_c10d_functional.wait_tensor")
 
 
 def collective_kind(node: fx.Node) -> str:
