@@ -234,28 +234,33 @@ def _dtensor_tp(model, kind: str, ids, labels, compiled: bool, o: StepBenchOptio
 
 
 def _measure(make_step, o: StepBenchOptions) -> dict:
-    """The slowest rank's step: setting up (hs.compile's trace and lowering, wrapping a peer) and the
-    first step (Inductor and torch.compile compile there) apart, then the median of `repeats` after
-    `warmup` steps."""
+    """The slowest rank's step: setting up (hs.compile's trace and lowering, wrapping a peer) apart,
+    then `_time_steps`."""
     try:
         dist.barrier()
         t = time.perf_counter()
         step = make_step()
         setup = max_over_ranks(time.perf_counter() - t)
-        t = time.perf_counter()
-        loss = step()
-        first = max_over_ranks(time.perf_counter() - t)
-        for _ in range(o.warmup - 1):
-            step()
-        times = []
-        for _ in range(o.repeats):
-            dist.barrier()
-            t = time.perf_counter()
-            loss = step()
-            times.append(max_over_ranks(time.perf_counter() - t))
+        return {**_time_steps(step, o, max_over_ranks, dist.barrier), "setup_seconds": setup}
     except Exception as e:  # noqa: BLE001 - reported in the table (every rank fails alike: same model, same code)
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]}
-    return {"seconds": statistics.median(times), "first_seconds": first, "setup_seconds": setup, "loss": float(loss)}
+
+
+def _time_steps(step, o: StepBenchOptions, slowest, sync) -> dict:
+    """The first step (Inductor and torch.compile compile there) apart, then the median of `repeats`
+    after `warmup` steps; `slowest(seconds)` makes a rank's time the job's, `sync()` lines ranks up."""
+    t = time.perf_counter()
+    loss = step()
+    first = slowest(time.perf_counter() - t)
+    for _ in range(o.warmup - 1):
+        step()
+    times = []
+    for _ in range(o.repeats):
+        sync()
+        t = time.perf_counter()
+        loss = step()
+        times.append(slowest(time.perf_counter() - t))
+    return {"seconds": statistics.median(times), "first_seconds": first, "loss": float(loss)}
 
 
 def _one_device(model, ids, labels, o: StepBenchOptions) -> dict:
@@ -269,15 +274,7 @@ def _one_device(model, ids, labels, o: StepBenchOptions) -> dict:
             loss = alone(ids, labels)
             loss.backward()
             return loss.detach()
-        t = time.perf_counter()
-        loss = step()
-        first = time.perf_counter() - t
-        times = []
-        for _ in range(o.repeats):
-            t = time.perf_counter()
-            loss = step()
-            times.append(time.perf_counter() - t)
-        result = {"seconds": statistics.median(times), "first_seconds": first, "loss": float(loss)}
+        result = _time_steps(step, o, lambda seconds: seconds, lambda: None)
     dist.barrier()
     return result
 
