@@ -250,7 +250,7 @@ def has_rule(op) -> bool:
     p = _propagator
     return (op in p.op_strategy_funcs or op in p.op_to_rules
             or op in getattr(p, "op_single_dim_strategy_funcs", {})
-            or _sp.DecompShardingStrategy.has_decomp(op))
+            or (hasattr(_sp, "DecompShardingStrategy") and _sp.DecompShardingStrategy.has_decomp(op)))  # 2.13 only
 
 
 def propagate(op, args_schema: tuple, kwargs_schema: dict, pinned: frozenset[int] = frozenset()) -> OutputSharding:

@@ -46,12 +46,11 @@ import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import flop_registry
 
 from hotswitch.distconfig import balanced_split
 
-from ._torch import OpOverload, detect_fake_mode, is_mutable, pytree
+from ._torch import OpOverload, detect_fake_mode, is_mutable, pytree, size_hint
 from .trace import (
     LogicGraph,
     _cse,
@@ -125,7 +124,7 @@ def _flops(node: fx.Node) -> int:
         value = fn(
             *pytree.tree_map(meta, node.args), **pytree.tree_map(meta, dict(node.kwargs)), out_val=node.meta.get("val")
         )
-        return int(optimization_hint(value)) if isinstance(value, torch.SymInt) else int(value)
+        return size_hint(value)
     except Exception:  # noqa: BLE001 - a cost estimate; an op whose formula fails counts nothing
         return 0
 

@@ -26,7 +26,14 @@ import torch.fx.traceback as fx_traceback
 from torch.export import Dim, export
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from ._torch import OpOverload, core_aten_decompositions, detect_fake_mode, is_mutable, pytree
+from ._torch import (
+    OpOverload,
+    core_aten_decompositions,
+    detect_fake_mode,
+    half_precision_math_attention,
+    is_mutable,
+    pytree,
+)
 from .signature import InputError, LossModule, ModelCall
 
 aten = torch.ops.aten
@@ -131,6 +138,7 @@ def _decompose(gm: fx.GraphModule, fake_inputs: list) -> fx.GraphModule:
 
     with (
         torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH),
+        half_precision_math_attention(),
         warnings.catch_warnings(),
         detect_fake_mode(fake_inputs),
     ):
