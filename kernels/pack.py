@@ -6,14 +6,15 @@ fused cast (bf16 compute weights out of fp32 masters, say); `unpack` scatters a 
 the destination views, casting to each target's dtype, or adding into them (`accumulate=True`, the
 fused accumulate for gradient buffers).
 
-**Triton kernel.** One launch per call handles every slice (one per distinct element type of the
-slices' tensors when they differ, since a pointer's element type is compile-time). Slices may come
-from different tensors, so the kernel reads a descriptor table, one int64 row per slice: the
-address of the slice's first element (its `data_ptr`, turned into a typed pointer in the kernel),
-its sizes and strides padded to 4 dims, its offset in the buffer and its first block. The grid is
-every slice's blocks of `BLOCK` elements back to back; a small int32 table maps a block to its
-slice. Each program unravels its elements into 4-D indices, loads (from the strided view or the
-buffer), casts, and stores (adding first when accumulating).
+**Triton kernel.** A call launches once per element type of the slices (a pointer's element type
+is compile-time) and tile shape. Slices may come from different tensors, so the kernel reads a
+descriptor table, one int64 row per slice: the offset of its first element from a base tensor of the
+launch (in elements), its sizes and strides padded to 4 dims, its offset in the buffer, its first
+tile and its tiles per row. A program copies one tile of `TILE` elements: rows (runs of the innermost
+dim) x columns, the columns a power of two covering the run. Indices are unravelled per row, not per
+element, and where every row starts 16-byte aligned (checked on the host) the compiler is told so and
+moves 16-byte vectors. Each program loads (from the strided view or the buffer), casts, and stores
+(adding first when accumulating).
 
 **Torch fallback.** The same API with `copy_` per slice; results are bit-identical to the kernel:
 a cast is one rounding (to nearest even) in both, and an accumulate is `(target + piece)` computed
@@ -45,9 +46,10 @@ __all__ = ["BACKENDS", "HAS_TRITON", "INTERPRET", "cast", "pack", "pack_kernels"
 BACKENDS = ("auto", "triton", "torch")
 # Read once: the interpreter has to be chosen before the kernels below are defined.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-BLOCK = 1024
+TILE = 4096  # elements per program
+NUM_WARPS = 4
 MAX_DIMS = 4
-_NCOL = 11  # descriptor row: address, 4 sizes, 4 strides, buffer offset, first block
+_NCOL = 12  # descriptor row: offset from the base tensor, 4 sizes, 4 strides, buffer offset, first tile, column tiles
 
 SliceSpec = tuple[torch.Tensor, tuple[slice, ...]]
 
@@ -62,44 +64,50 @@ if HAS_TRITON:
     }
 
     @triton.jit
-    def _element_offsets(desc, block_slice, BLOCK: tl.constexpr, NCOL: tl.constexpr):
-        """This program's slice row, element indices within the slice, their mask and strided offsets."""
+    def _tile(desc, tile_slice, R: tl.constexpr, C: tl.constexpr, ALIGN: tl.constexpr, NCOL: tl.constexpr):
+        """This program's tile of its slice: R rows (each a run of the innermost dim) x C columns. The
+        row index is unravelled per row, never per element (64-bit division per element made the
+        kernel compute-bound). Returns the slice's descriptor row, the elements' offsets from the
+        launch's base tensor, their positions in the buffer, and the mask."""
         pid = tl.program_id(0)
-        row = desc + tl.load(block_slice + pid).to(tl.int64) * NCOL
-        s0 = tl.load(row + 1)
+        row = desc + tl.load(tile_slice + pid).to(tl.int64) * NCOL
         s1 = tl.load(row + 2)
         s2 = tl.load(row + 3)
-        s3 = tl.load(row + 4)
-        first = tl.load(row + 10)
-        e = (pid - first) * BLOCK + tl.arange(0, BLOCK)
-        mask = e < s0 * s1 * s2 * s3
-        i3 = e % s3
-        r = e // s3
+        s3 = tl.multiple_of(tl.load(row + 4), ALIGN)  # said so, the column mask is constant per vector
+        col_tiles = tl.load(row + 11)
+        t = pid - tl.load(row + 10)
+        r = (t // col_tiles) * R + tl.arange(0, R)
+        c = (t % col_tiles) * C + tl.arange(0, C)
         i2 = r % s2
-        r = r // s2
-        i1 = r % s1
-        i0 = r // s1
-        strided = i0 * tl.load(row + 5) + i1 * tl.load(row + 6) + i2 * tl.load(row + 7) + i3 * tl.load(row + 8)
-        return row, e, mask, strided
+        q = r // s2
+        # offsets in elements; ALIGN: the host checked that every row starts ALIGN-aligned (16 bytes)
+        row_at = tl.multiple_of(tl.load(row) + (q // s1) * tl.load(row + 5) + (q % s1) * tl.load(row + 6)
+                                + i2 * tl.load(row + 7), ALIGN)
+        packed_at = tl.multiple_of(tl.load(row + 9) + r * s3, ALIGN)
+        mask = (r < tl.load(row + 1) * s1 * s2)[:, None] & (c < s3)[None, :]
+        strided = row_at[:, None] + c[None, :] * tl.load(row + 8)
+        if ALIGN > 1:  # the innermost stride is 1 (checked): contiguous runs the compiler can vectorize
+            strided = row_at[:, None] + c[None, :]
+        return strided, packed_at[:, None] + c[None, :], mask
 
     @triton.jit
-    def _pack_kernel(desc, block_slice, out, SRC: tl.constexpr, BLOCK: tl.constexpr, NCOL: tl.constexpr):
-        row, e, mask, strided = _element_offsets(desc, block_slice, BLOCK, NCOL)
-        src = tl.load(row).to(tl.pointer_type(SRC), bitcast=True)
-        x = tl.load(src + strided, mask=mask)
-        tl.store(out + tl.load(row + 9) + e, x.to(out.dtype.element_ty), mask=mask)
+    def _pack_kernel(desc, tile_slice, base, out, R: tl.constexpr, C: tl.constexpr, ALIGN: tl.constexpr,
+                     NCOL: tl.constexpr):
+        strided, packed, mask = _tile(desc, tile_slice, R, C, ALIGN, NCOL)
+        x = tl.load(base + strided, mask=mask)
+        tl.store(out + packed, x.to(out.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _unpack_kernel(
-        desc, block_slice, buf, DST: tl.constexpr, ACCUMULATE: tl.constexpr, COMPUTE: tl.constexpr,
-        BLOCK: tl.constexpr, NCOL: tl.constexpr,
+        desc, tile_slice, base, buf, ACCUMULATE: tl.constexpr, COMPUTE: tl.constexpr,
+        R: tl.constexpr, C: tl.constexpr, ALIGN: tl.constexpr, NCOL: tl.constexpr,
     ):
-        row, e, mask, strided = _element_offsets(desc, block_slice, BLOCK, NCOL)
-        dst = tl.load(row).to(tl.pointer_type(DST), bitcast=True) + strided
-        x = tl.load(buf + tl.load(row + 9) + e, mask=mask)
+        strided, packed, mask = _tile(desc, tile_slice, R, C, ALIGN, NCOL)
+        dst = base + strided
+        x = tl.load(buf + packed, mask=mask)
         if ACCUMULATE:
             x = tl.load(dst, mask=mask).to(COMPUTE) + x.to(COMPUTE)
-        tl.store(dst, x.to(DST), mask=mask)
+        tl.store(dst, x.to(base.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------- host side
@@ -169,34 +177,69 @@ def _same_device(views: list[torch.Tensor], device: torch.device, what: str) -> 
 
 
 def _launch(kernel, views: list[torch.Tensor], offsets: list[int], what: str, buffer: torch.Tensor, **meta) -> None:
-    """One launch over `views` (all of one dtype); view i sits at `offsets[i]` in `buffer`."""
-    tables = _tables(views, offsets, what, buffer.device)
-    if tables is not None:
-        desc, block_slice, blocks = tables
-        kernel[(blocks,)](desc, block_slice, buffer, BLOCK=BLOCK, NCOL=_NCOL, **meta)
+    """The launches over `views` (all of one dtype); view i sits at `offsets[i]` in `buffer`."""
+    for (desc, tile_slice, tiles, base, rows, cols, align) in _plans(views, offsets, what, buffer):
+        kernel[(tiles,)](desc, tile_slice, base, buffer, R=rows, C=cols, ALIGN=align, NCOL=_NCOL, num_warps=NUM_WARPS,
+                         **meta)
 
 
-def _tables(views: list[torch.Tensor], offsets: list[int], what: str, device: torch.device):
-    """The descriptor table (one row per non-empty view) and the block -> slice table, on `device`,
-    with the number of blocks; None when every view is empty."""
-    rows, blocks = [], []
-    first = 0
-    for i, (v, offset) in enumerate(zip(views, offsets)):
-        n = v.numel()
-        if n:
-            sizes, strides = _dims(v, what, i)
-            count = -(-n // BLOCK)
-            rows.append([v.data_ptr(), *sizes, *strides, offset, first])
-            blocks.append(count)
-            first += count
-    if not rows:
-        return None
-    desc = torch.tensor(rows, dtype=torch.int64)
-    block_slice = torch.repeat_interleave(torch.arange(len(rows), dtype=torch.int32), torch.tensor(blocks))
-    if device.type != "cpu":  # from pageable memory: staged before the call returns, so the temporaries may go
-        desc = desc.to(device, non_blocking=True)
-        block_slice = block_slice.to(device, non_blocking=True)
-    return desc, block_slice, first
+def _tile_shape(inner: int) -> tuple[int, int]:
+    """Rows x columns of a program's tile for slices whose innermost run is `inner` elements: columns
+    cover the run (a power of two, 16 to TILE), rows fill the tile."""
+    cols = min(TILE, max(16, 1 << (inner - 1).bit_length()))
+    return TILE // cols, cols
+
+
+def _alignment(offset: int, sizes: list[int], strides: list[int], packed_at: int, widest: int) -> int:
+    """The largest power of two (elements, at most 16 bytes of the wider of the two dtypes) dividing
+    every row start of the slice, in its tensor and in the buffer: the kernel may then load and store
+    16-byte vectors. 1 when the innermost stride is not 1."""
+    if strides[-1] != 1:
+        return 1
+    values = [offset, packed_at, sizes[-1]] + [st for n, st in zip(sizes[:-1], strides[:-1]) if n > 1]
+    align = max(1, 16 // widest)
+    while align > 1 and any(v % align for v in values):
+        align //= 2
+    return align
+
+
+def _plans(views: list[torch.Tensor], offsets: list[int], what: str, buffer: torch.Tensor) -> list[tuple]:
+    """Per launch: the descriptor table (one row per non-empty view), the tile -> slice table, on the
+    buffer's device, the number of tiles, the base tensor that the rows' offsets count from, the tile
+    shape and the alignment. Views of one tile shape and alignment share a launch."""
+    live = [(i, v, o) for i, (v, o) in enumerate(zip(views, offsets)) if v.numel()]
+    if not live:
+        return []
+    base = live[0][1]
+    elsize = base.element_size()
+    widest = max(elsize, buffer.element_size())
+    aligned_bases = base.data_ptr() % 16 == 0 and buffer.data_ptr() % 16 == 0
+    groups: dict[tuple[int, int], tuple[list, list]] = {}  # (columns, alignment) -> descriptor rows, tile counts
+    totals: dict[tuple[int, int], int] = {}
+    for i, v, packed_at in live:
+        sizes, strides = _dims(v, what, i)
+        delta = v.data_ptr() - base.data_ptr()
+        if delta % elsize:
+            raise ValueError(f"{what}[{i}] is not aligned to its {v.dtype} elements; make it contiguous first")
+        offset = delta // elsize
+        rows, cols = _tile_shape(sizes[-1])
+        align = _alignment(offset, sizes, strides, packed_at, widest) if aligned_bases else 1
+        table, tiles = groups.setdefault((cols, align), ([], []))
+        col_tiles = -(-sizes[-1] // cols)
+        count = -(-(v.numel() // sizes[-1]) // rows) * col_tiles
+        first = totals.get((cols, align), 0)
+        table.append([offset, *sizes, *strides, packed_at, first, col_tiles])
+        tiles.append(count)
+        totals[cols, align] = first + count
+    plans = []
+    for (cols, align), (table, tiles) in groups.items():
+        desc = torch.tensor(table, dtype=torch.int64)
+        tile_slice = torch.repeat_interleave(torch.arange(len(table), dtype=torch.int32), torch.tensor(tiles))
+        if buffer.device.type != "cpu":  # from pageable memory: staged before the call returns (temporaries may go)
+            desc = desc.to(buffer.device, non_blocking=True)
+            tile_slice = tile_slice.to(buffer.device, non_blocking=True)
+        plans.append((desc, tile_slice, totals[cols, align], base, TILE // cols, cols, align))
+    return plans
 
 
 def _by_dtype(views: list[torch.Tensor]) -> dict[torch.dtype, tuple[list[torch.Tensor], list[int]]]:
@@ -263,7 +306,8 @@ def pack(
         return out
     _tl(dtype)
     for src_dtype, (group, offsets) in _by_dtype(views).items():  # one launch per source element type
-        _launch(_pack_kernel, group, offsets, "slices", out, SRC=_tl(src_dtype))
+        _tl(src_dtype)
+        _launch(_pack_kernel, group, offsets, "slices", out)
     return out
 
 
@@ -292,13 +336,13 @@ def pack_kernels(slices: Sequence[SliceSpec], out: torch.Tensor) -> Callable[[],
     _same_device(views, out.device, "slices")
     launches = []
     for src_dtype, (group, offsets) in _by_dtype(views).items():
-        tables = _tables(group, offsets, "slices", out.device)
-        if tables is not None:
-            launches.append((tables, _tl(src_dtype)))
+        _tl(src_dtype)
+        launches += _plans(group, offsets, "slices", out)
 
     def run() -> None:
-        for (desc, block_slice, blocks), src in launches:
-            _pack_kernel[(blocks,)](desc, block_slice, out, SRC=src, BLOCK=BLOCK, NCOL=_NCOL)
+        for (desc, tile_slice, tiles, base, rows, cols, align) in launches:
+            _pack_kernel[(tiles,)](desc, tile_slice, base, out, R=rows, C=cols, ALIGN=align, NCOL=_NCOL,
+                                   num_warps=NUM_WARPS)
 
     return run
 
@@ -340,6 +384,6 @@ def unpack(
         return
     _tl(buf.dtype)
     for dst_dtype, (group, offsets) in _by_dtype(views).items():  # one launch per target element type
-        meta = {"DST": _tl(dst_dtype), "ACCUMULATE": bool(accumulate),
-                "COMPUTE": _tl(_compute_dtype(dst_dtype, buf.dtype))}
+        _tl(dst_dtype)
+        meta = {"ACCUMULATE": bool(accumulate), "COMPUTE": _tl(_compute_dtype(dst_dtype, buf.dtype))}
         _launch(_unpack_kernel, group, offsets, "targets", buf, **meta)

@@ -180,6 +180,13 @@ def test_gpu_kernels_native_bit_exact():
         want[s] = big[s]
     assert torch.equal(back, want)
 
+    rows = [(big, (slice(2 * i, 2 * i + 1), slice(None))) for i in range(4096)]  # 16-byte aligned: vectorized
+    got = pack(rows, backend="triton")
+    assert torch.equal(got, big[::2].reshape(-1))
+    back.zero_()
+    unpack(got, [(back, s) for _, s in rows], accumulate=True, backend="triton")
+    assert torch.equal(back[::2], big[::2]) and not back[1::2].any()
+
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
 def test_cast_is_to_dtype_as_views_of_one_buffer(backend):
@@ -204,3 +211,25 @@ def test_pack_kernels_with_tables_built_once_equal_pack():
     a.mul_(2)  # the tables hold addresses, not values: a later call packs what the tensors hold then
     run()
     assert torch.equal(out, reference_pack(slices, torch.float32))
+
+
+@needs_interpreter
+def test_tiles_cover_long_runs_aligned_rows_and_strided_columns():
+    """One call, three launches: 16-byte aligned rows of 4096 (the launch told to vectorize), a run of
+    4999 from an odd offset (two tiles per row, not aligned) and a transposed slice (innermost stride
+    5000); the packed buffer and the round trip equal the reference."""
+    from hotswitch.kernels.pack import _by_dtype, _plans
+
+    a = torch.randn(3, 5000, generator=torch.Generator().manual_seed(3))
+    slices = [(a, (slice(0, 3), slice(8, 4104))), (a, (slice(0, 1), slice(1, None))),
+              (a.t(), (slice(4200, 4300), slice(0, 3)))]
+    out = pack(slices, dtype=torch.float16, backend="triton")
+    assert torch.equal(out, reference_pack(slices, torch.float16))
+    plans = [p for views, offsets in _by_dtype([a[s] for a, s in slices]).values()
+             for p in _plans(views, offsets, "slices", out)]
+    assert {(p[4], p[5], p[6]) for p in plans} == {(1, 4096, 1), (1, 4096, 4), (256, 16, 1)}
+    back = torch.zeros(3, 5000)
+    unpack(out, [(back, s) for _, s in slices[:2]] + [(back.t(), slices[2][1])], backend="triton")
+    want = torch.zeros(3, 5000)
+    want[:, 8:4104], want[0, 1:], want[:, 4200:4300] = a[:, 8:4104], a[0, 1:], a[:, 4200:4300]
+    assert torch.equal(back, want.half().float())
