@@ -1,0 +1,88 @@
+"""On a CUDA machine: one NCCL process compiles and trains as one device does. The ExecGraph (eager
+and Inductor, which emits Triton there) gives one device's loss and gradients in fp32; the bf16
+Trainer (bf16 compute, fp32 masters and AdamW) tracks fp32 single-device AdamW within bf16's
+precision. Without CUDA the module is skipped: CPU paths are tested everywhere else (gloo)."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hotswitch as hs
+from tests.compile_checks import batch, make_model, rel_err
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL, bf16, Triton on the device)"),
+    pytest.mark.slow,
+]
+
+LR = 1e-3
+
+
+def _compiled_vs_one_device(rank, kind, backend):
+    """Rank 0 of 1 on NCCL: loss and full gradients of `kind` under dp1 against the model on the same GPU."""
+    import torch.distributed as dist
+
+    assert dist.get_backend() == "nccl"
+    model = make_model(kind)
+    ids, labels = batch()
+    ref = copy.deepcopy(model).cuda()
+    loss_ref = ref(ids.cuda(), labels.cuda())
+    loss_ref.backward()
+    cm = hs.compile(model, (ids, labels), configs=["dp1"], backend=backend)
+    loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
+    grads = cm.full_grads()
+    devices = {str(p.device) for p in cm.local_params.values()}
+    worst = max(rel_err(grads[n].cuda(), p.grad) for n, p in ref.named_parameters())
+    return dict(loss=float(loss), ref=float(loss_ref), grads=worst, devices=devices)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_nccl_rank_equals_one_device(kind, backend):
+    out = hs.launch(_compiled_vs_one_device, 1, kind, backend, backend="nccl")
+    assert out["devices"] == {"cuda:0"}, out
+    assert abs(out["loss"] - out["ref"]) <= 1e-5 * abs(out["ref"]), out
+    assert out["grads"] <= 1e-4, out  # fp32 on the GPU: other kernels, other summation orders
+
+
+def _bf16_trainer(rank, batches):
+    from hotswitch.train.trainer import Trainer
+
+    # one bucket at the traced length: on torch 2.11 (the GPU image's) the trace specializes the causal
+    # mask of `scaled_dot_product_attention(is_causal=True)` to that length (2.13 keeps it symbolic)
+    trainer = Trainer(make_model("gpt"), ["name=dp1,dp=1"], dict(name="adamw", lr=LR), buckets=[64],
+                      length_multiple=64, micro_batch_tokens=128, compute_dtype=torch.bfloat16)
+    out = []
+    for seqs in batches:
+        report = trainer.step(seqs)
+        out.append(dict(loss=report.loss, weights={k: v.cpu() for k, v in trainer.full_state_dict().items()},
+                        compute_dtypes={str(v.dtype) for v in trainer.cm.local_params.values()},
+                        master_dtypes={str(v.dtype) for v in trainer.full_state_dict().values()}))
+    return out
+
+
+def _reference_steps(model, batches):
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out = []
+    for seqs in batches:
+        total = sum(len(s) - 1 for s in seqs)
+        loss = sum(F.cross_entropy(model(s[None])[0, :-1].float(), s[1:], reduction="sum") for s in seqs) / total
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out.append((float(loss.detach()), {k: v.detach().clone() for k, v in model.state_dict().items()}))
+    return out
+
+
+def test_bf16_trainer_on_nccl_tracks_fp32_adamw():
+    from hotswitch.train import data as D
+
+    batches = [D.synthetic_skewed(12, 1001, 64, seed=s, min_length=2) for s in range(3)]
+    ref = _reference_steps(make_model("gpt"), batches)
+    steps = hs.launch(_bf16_trainer, 1, batches, backend="nccl")
+    for (ref_loss, ref_weights), step in zip(ref, steps):
+        assert step["compute_dtypes"] == {"torch.bfloat16"} and step["master_dtypes"] == {"torch.float32"}, step
+        assert abs(step["loss"] - ref_loss) <= 2e-2 * abs(ref_loss), (step["loss"], ref_loss)
+        assert max(rel_err(step["weights"][k], v) for k, v in ref_weights.items()) <= 1e-2
