@@ -7,8 +7,9 @@ Two steps, kept apart so the first can be inspected and tested on its own:
    it gives; parameters (and views of them) are pinned to the layout the config gave them. A
    `Partial` result is reduced where it is produced (all-reduce, or reduce-scatter onto the sequence
    dim under sequence parallelism), except when its only consumers are additions of other partial
-   values or the graph's outputs: that yields Megatron's collectives exactly (one reduction after
-   q/k/v's input-gradients are summed, not three) and leaves gradients partial for the buckets.
+   values (then the sum is reduced, once) or the graph's outputs: that yields Megatron's collectives
+   (one reduction after q/k/v's input-gradients are summed, not three) and leaves gradients partial
+   for the buckets.
 2. `lower`: those decisions become this rank's program, built node by node on its local shapes
    (each op's meta kernel gives them), every collective an explicit functional-collective node of
    the GraphModule (DTensor's redistributions, traced by make_fx and copied in); the data-
@@ -362,40 +363,35 @@ def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
 
 
 def _partials_to_keep(graph: fx.Graph, partial: set[fx.Node]) -> set[fx.Node]:
-    """Partial values left unreduced: those consumed only by views, by sums with other values that
-    stay partial, by *_like ops and by the outputs (gradients, loss parts: reduced in buckets)."""
-    memo: dict[fx.Node, bool] = {}
+    """Partial values left unreduced: those consumed only by views, by sums of partial values, by
+    *_like ops and by the outputs (gradients, loss parts: reduced in buckets). A sum of partial values
+    is itself partial, so it is reduced once where the sum is made (one all-reduce of the summed
+    input-gradients of q, k and v, or of gate and up, as Megatron issues), or not at all when it too
+    feeds only sums and outputs."""
+    sums: dict[fx.Node, bool] = {}
 
-    def stays_partial(n) -> bool:
+    def partial_source(n) -> bool:  # partial in the first pass, or a sum of such values
         n = _view_source(n)
-        return isinstance(n, fx.Node) and (n in partial or n.target in _ADD_OPS) and keep(n)
+        if not isinstance(n, fx.Node) or n.target is aten.embedding.default:
+            # an embedding's partial (DTensor's MaskPartial) masks rows by the shape of its indices:
+            # it must be reduced where it is produced, never through a view or a sum
+            return False
+        if n in partial:
+            return True
+        if n.target not in _ADD_OPS:
+            return False
+        if n not in sums:
+            args = [a for a in n.args[:2] if isinstance(a, fx.Node)]
+            sums[n] = len(args) == 2 and all(partial_source(a) for a in args)
+        return sums[n]
 
-    def keep(n: fx.Node) -> bool:
-        if n not in memo:
-            memo[n] = False  # cycle guard
-            # An embedding's partial (DTensor's MaskPartial) masks rows by the shape of its indices:
-            # it must be reduced where it is produced, never through a view.
-            ok = bool(n.users) and _view_source(n).target is not aten.embedding.default
-            for u in n.users:
-                if u.op == "output" or u.target in VIEW_OPS or u.target in _LIKE_OPS or u.target in _SYM_OPS:
-                    continue  # a view of a partial decides for itself; *_like and sizes read no values
-                if (
-                    u.target in _ADD_OPS
-                    and all(stays_partial(a) for a in u.args[:2] if a is not n and isinstance(a, fx.Node))
-                    and sum(isinstance(a, fx.Node) for a in u.args[:2]) == 2
-                    and keep(u)
-                ):
-                    continue
-                ok = False
-                break
-            memo[n] = ok
-        return memo[n]
+    def read_as_partial(n: fx.Node) -> bool:  # every consumer can take n's value unreduced
+        return bool(n.users) and all(
+            u.op == "output" or u.target in VIEW_OPS or u.target in _LIKE_OPS or u.target in _SYM_OPS
+            or (u.target in _ADD_OPS and partial_source(u))
+            for u in n.users)
 
-    return {
-        n
-        for n in graph.nodes
-        if n.op == "call_function" and (_view_source(n) in partial or n.target in _ADD_OPS) and keep(n)
-    }
+    return {n for n in graph.nodes if n.op == "call_function" and partial_source(n) and read_as_partial(n)}
 
 
 def _from_param_op(node: fx.Node, pinned_nodes) -> bool:

@@ -42,7 +42,8 @@ def _compiled_mha(kind, names=("tp4", "tp4sp", "dp4", "dp2tp2")):
                "dp4": hs.DistConfig("dp4", dp=4), "dp2tp2": hs.DistConfig("dp2tp2", dp=2, tp=2)}
     cm = hs.compile(model, (ids, labels), configs=[configs[n] for n in names])
     return {
-        name: (forward_collectives_per_block(cm.exec_graph(name)), collective_counts(cm.exec_graph(name), "forward"))
+        name: (forward_collectives_per_block(cm.exec_graph(name)), collective_counts(cm.exec_graph(name), "forward"),
+               collective_counts(cm.exec_graph(name), "backward"))
         for name in names
     }
 
@@ -121,9 +122,9 @@ def test_hf_gpt2_matches_single_device(results):
     results["check_gpt2_equivalence"].raise_if_failed()
 
 
-def _assert_megatron(per_block, totals, n_layers=2, dp_checked=True):
-    tp_blocks, tp_total = per_block["tp4"]
-    sp_blocks, sp_total = per_block["tp4sp"]
+def _assert_megatron(per_block, n_layers=2, dp_checked=True):
+    tp_blocks, _, tp_backward = per_block["tp4"]
+    sp_blocks, _, sp_backward = per_block["tp4sp"]
     blocks = [k for k in tp_blocks if k != "outside blocks"]
     assert len(blocks) == 2 * n_layers, tp_blocks
     for b in blocks:  # TP: one all-reduce per attention and per MLP block, nothing else
@@ -132,22 +133,27 @@ def _assert_megatron(per_block, totals, n_layers=2, dp_checked=True):
     # outside the blocks: the vocab-parallel embedding's reduction (all-reduce, or reduce-scatter with SP)
     assert tp_blocks["outside blocks"] == {"all_reduce": 1}
     assert sp_blocks["outside blocks"].get("reduce_scatter") == 1
+    # backward: the input-gradients of q, k, v (and of gate, up) are summed, then reduced once per
+    # attention and per MLP block (each of them reduced on its own was 5 per block, not 2)
+    assert tp_backward == {"all_reduce": 2 * n_layers}, tp_backward
+    assert sp_backward.get("reduce_scatter") == 2 * n_layers and "all_reduce" not in sp_backward, sp_backward
     if not dp_checked:
         return
     assert per_block["dp4"][1] == {}, per_block["dp4"]  # pure DP: no collective in forward
     dp2tp2_blocks = per_block["dp2tp2"][0]
     assert all(dp2tp2_blocks[b] == {"all_reduce": 1} for b in blocks)
+    assert per_block["dp2tp2"][2] == {"all_reduce": 2 * n_layers}, per_block["dp2tp2"]
     assert dp2tp2_blocks["outside blocks"] == {"all_reduce": 1}
 
 
 def test_collectives_follow_megatron_gpt(results):
     (value, *_) = results["check_collectives_gpt"].raise_if_failed()
-    _assert_megatron(value, None)
+    _assert_megatron(value)
 
 
 def test_collectives_follow_megatron_llama(results):
     (value, *_) = results["check_collectives_llama"].raise_if_failed()
-    _assert_megatron(value, None, dp_checked=False)
+    _assert_megatron(value, dp_checked=False)
 
 
 def test_equivalence_reports_dp_has_one_gradient_bucket(results):
