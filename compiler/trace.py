@@ -234,6 +234,19 @@ def _normalize_reduce_dims(gm: fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _squeeze_one_dim(gm: fx.GraphModule) -> None:
+    """`squeeze.dims(x, [d])` as `squeeze.dim(x, d)` where DTensor has no rule for the former
+    (torch 2.11, the GPU image's torch, has rules for squeeze.dim only; 2.13 has both and keeps the graph)."""
+    from . import _dtensor
+
+    if _dtensor.has_rule(aten.squeeze.dims):
+        return
+    for node in gm.graph.nodes:
+        if node.target is aten.squeeze.dims and len(node.args) == 2 and len(node.args[1]) == 1:
+            node.target, node.args = aten.squeeze.dim, (node.args[0], node.args[1][0])
+    gm.recompile()
+
+
 def _merge_tied(gm: fx.GraphModule, param_names: list[str], aliases: dict[str, str]) -> None:
     """Tied weights appear once per name in the export signature; keep one parameter per tensor
     (the name model.named_parameters() gives it) so its gradient sums every use."""
@@ -329,12 +342,14 @@ def trace(
     aliases = {k: canon[id(v)] for k, v in model.named_parameters(remove_duplicate=False) if canon[id(v)] != k}
     _merge_tied(fwd, param_names, aliases)
     _normalize_reduce_dims(fwd)
+    _squeeze_one_dim(fwd)
     placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     split = _split_loss(fwd, set(placeholders[: len(param_names)]))
     params = [state[n].detach() for n in param_names]
     buffers = [state[n].detach() for n in buffer_names]
 
     joint = _make_joint(fwd, len(params), len(buffers))
+    _squeeze_one_dim(joint)  # the joint's trace decomposes squeeze.dim again
     return LogicGraph(
         forward=fwd, joint=joint, param_names=param_names, buffer_names=buffer_names,
         param_shapes={n: p.shape for n, p in zip(param_names, params)},
