@@ -133,6 +133,19 @@ def test_train_options_carry_the_compile_backend():
         parser.parse_args(["train", "--compile-backend", "tensorrt"])
 
 
+def test_plain_and_elastic_training_give_the_trainer_the_same_options():
+    """One copy of the Trainer's options for `hotswitch train` with and without --elastic (the elastic
+    job once dropped --no-prefetch and --cp-layout)."""
+    from hotswitch.cli.train import options
+    from hotswitch.train.loop import trainer_options
+
+    args = cli.build_parser().parse_args(["train", "--world-size", "2", "--elastic", "2:4", "--no-prefetch",
+                                          "--cp-layout", "zigzag", "--compile-backend", "inductor"])
+    got = trainer_options(options(args), None, (64, 128))
+    assert (got["prefetch"], got["cp_layout"], got["backend"], got["buckets"]) == (False, "zigzag", "inductor",
+                                                                                  (64, 128))
+
+
 def test_main_without_command_prints_help(capsys):
     assert cli.main([]) == 2
     assert "demo" in capsys.readouterr().out

@@ -207,7 +207,7 @@ def _elastic_worker(membership, opts):
     from hotswitch.distconfig import DistConfig
     from hotswitch.elastic import ElasticJob, Event
     from hotswitch.train import data as D
-    from hotswitch.train.loop import build_model, load_dataset
+    from hotswitch.train.loop import build_model, load_dataset, trainer_options
 
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
     warnings.filterwarnings("ignore", message=r"hotswitch: .* could not be sharded")
@@ -225,8 +225,7 @@ def _elastic_worker(membership, opts):
     def on_step(report, replayed):
         print(report.line() + (" (replayed)" if replayed else ""), flush=True)
 
-    options = dict(optimizer=dict(name="adamw", lr=opts.lr), memory_budget_bytes=opts.memory_budget, buckets=bounds,
-                   micro_batch_tokens=opts.micro_batch_tokens, backend=opts.compile_backend)
+    options = trainer_options(opts, opts.memory_budget, bounds)
     job = ElasticJob(membership, lambda: build_model(opts), candidates, batch, trainer_options=options,
                      checkpoint_dir=opts.checkpoint_dir, checkpoint_every=opts.checkpoint_every,
                      step_timeout_s=opts.step_timeout, on_step=on_step, log=lambda m: print(m, flush=True))

@@ -43,6 +43,14 @@ class TrainOptions:
     compile_backend: str = "eager"  # how ExecGraphs run: op by op, or compiled by Inductor (runtime.backend)
 
 
+def trainer_options(opts: TrainOptions, memory_budget_bytes: int | None, buckets) -> dict:
+    """The Trainer's keyword arguments that `hotswitch train`'s options set, one copy for the plain
+    run and the elastic job (which left --no-prefetch and --cp-layout out when it had its own)."""
+    return dict(optimizer=dict(name="adamw", lr=opts.lr), memory_budget_bytes=memory_budget_bytes, buckets=buckets,
+                micro_batch_tokens=opts.micro_batch_tokens, prefetch=opts.prefetch, cp_layout=opts.cp_layout,
+                backend=opts.compile_backend)
+
+
 def build_model(opts: TrainOptions):
     import torch
 
@@ -91,11 +99,8 @@ class TrainingRun:
         self.dataset = load_dataset(opts, model.get_input_embeddings().num_embeddings)
         self.order = D.SampleOrder(len(self.dataset), opts.batch_size, seed=opts.seed)
         # a static run keeps the hot run's buckets: short rows are cheaper under any config
-        self.trainer = Trainer(model, configs, dict(name="adamw", lr=opts.lr), budget or opts.memory_budget,
-                               buckets=bounds or opts.buckets,
-                               micro_batch_tokens=opts.micro_batch_tokens, zero1=opts.zero1,
-                               prefetch=opts.prefetch, progress=Progress() if self.show else None,
-                               cp_layout=opts.cp_layout, backend=opts.compile_backend)
+        options = trainer_options(opts, budget or opts.memory_budget, bounds or opts.buckets)
+        self.trainer = Trainer(model, configs, **options, zero1=opts.zero1, progress=Progress() if self.show else None)
         if bounds is None and opts.buckets is None:
             self.trainer.choose_buckets([len(s) for s in self.dataset])  # from the dataset's length distribution
         self.bounds = self.trainer.bucket_bounds([len(s) for s in self.dataset])
