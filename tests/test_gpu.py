@@ -6,18 +6,15 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import hotswitch as hs
 from tests.compile_checks import batch, make_model, rel_err
+from tests.test_trainer_world4 import LR, _reference_steps
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL, bf16, Triton on the device)"),
     pytest.mark.slow,
 ]
-
-LR = 1e-3
-
 
 def _compiled_vs_one_device(rank, kind, backend):
     """Rank 0 of 1 on NCCL: loss and full gradients of `kind` under dp1 against the model on the same GPU."""
@@ -62,27 +59,13 @@ def _bf16_trainer(rank, batches):
     return out
 
 
-def _reference_steps(model, batches):
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    out = []
-    for seqs in batches:
-        total = sum(len(s) - 1 for s in seqs)
-        loss = sum(F.cross_entropy(model(s[None])[0, :-1].float(), s[1:], reduction="sum") for s in seqs) / total
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append((float(loss.detach()), {k: v.detach().clone() for k, v in model.state_dict().items()}))
-    return out
-
-
 def test_bf16_trainer_on_nccl_tracks_fp32_adamw():
     from hotswitch.train import data as D
 
     batches = [D.synthetic_skewed(12, 1001, 64, seed=s, min_length=2) for s in range(3)]
-    ref = _reference_steps(make_model("gpt"), batches)
+    ref = _reference_steps(make_model("gpt"), batches)  # single-device AdamW, lr 1e-3 as here
     steps = hs.launch(_bf16_trainer, 1, batches, backend="nccl")
-    for (ref_loss, ref_weights), step in zip(ref, steps):
+    for (ref_loss, _, ref_weights), step in zip(ref, steps):
         assert step["compute_dtypes"] == {"torch.bfloat16"} and step["master_dtypes"] == {"torch.float32"}, step
         assert abs(step["loss"] - ref_loss) <= 2e-2 * abs(ref_loss), (step["loss"], ref_loss)
         assert max(rel_err(step["weights"][k], v) for k, v in ref_weights.items()) <= 1e-2
