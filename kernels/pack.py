@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -67,8 +68,8 @@ if HAS_TRITON:
     def _tile(desc, tile_slice, R: tl.constexpr, C: tl.constexpr, ALIGN: tl.constexpr, NCOL: tl.constexpr):
         """This program's tile of its slice: R rows (each a run of the innermost dim) x C columns. The
         row index is unravelled per row, never per element (64-bit division per element made the
-        kernel compute-bound). Returns the slice's descriptor row, the elements' offsets from the
-        launch's base tensor, their positions in the buffer, and the mask."""
+        kernel compute-bound). Returns the elements' offsets from the launch's base tensor, their
+        positions in the buffer, and the mask."""
         pid = tl.program_id(0)
         row = desc + tl.load(tile_slice + pid).to(tl.int64) * NCOL
         s1 = tl.load(row + 2)
@@ -85,9 +86,10 @@ if HAS_TRITON:
                                 + i2 * tl.load(row + 7), ALIGN)
         packed_at = tl.multiple_of(tl.load(row + 9) + r * s3, ALIGN)
         mask = (r < tl.load(row + 1) * s1 * s2)[:, None] & (c < s3)[None, :]
-        strided = row_at[:, None] + c[None, :] * tl.load(row + 8)
         if ALIGN > 1:  # the innermost stride is 1 (checked): contiguous runs the compiler can vectorize
             strided = row_at[:, None] + c[None, :]
+        else:
+            strided = row_at[:, None] + c[None, :] * tl.load(row + 8)
         return strided, packed_at[:, None] + c[None, :], mask
 
     @triton.jit
@@ -176,11 +178,25 @@ def _same_device(views: list[torch.Tensor], device: torch.device, what: str) -> 
             raise ValueError(f"{what}[{i}] is on {v.device} but the buffer is on {device}; keep them on one device")
 
 
+class _Launch(NamedTuple):
+    """One kernel launch over slices of one dtype, tile shape and alignment (see `_plans`)."""
+    desc: torch.Tensor  # one descriptor row per slice
+    tile_slice: torch.Tensor  # the slice of each tile (program)
+    tiles: int
+    base: torch.Tensor  # the tensor the rows' offsets count from
+    rows: int
+    cols: int
+    align: int
+
+    def __call__(self, kernel, buffer: torch.Tensor, **meta) -> None:
+        kernel[(self.tiles,)](self.desc, self.tile_slice, self.base, buffer, R=self.rows, C=self.cols,
+                              ALIGN=self.align, NCOL=_NCOL, num_warps=NUM_WARPS, **meta)
+
+
 def _launch(kernel, views: list[torch.Tensor], offsets: list[int], what: str, buffer: torch.Tensor, **meta) -> None:
     """The launches over `views` (all of one dtype); view i sits at `offsets[i]` in `buffer`."""
-    for (desc, tile_slice, tiles, base, rows, cols, align) in _plans(views, offsets, what, buffer):
-        kernel[(tiles,)](desc, tile_slice, base, buffer, R=rows, C=cols, ALIGN=align, NCOL=_NCOL, num_warps=NUM_WARPS,
-                         **meta)
+    for launch in _plans(views, offsets, what, buffer):
+        launch(kernel, buffer, **meta)
 
 
 def _tile_shape(inner: int) -> tuple[int, int]:
@@ -203,14 +219,15 @@ def _alignment(offset: int, sizes: list[int], strides: list[int], packed_at: int
     return align
 
 
-def _plans(views: list[torch.Tensor], offsets: list[int], what: str, buffer: torch.Tensor) -> list[tuple]:
-    """Per launch: the descriptor table (one row per non-empty view), the tile -> slice table, on the
-    buffer's device, the number of tiles, the base tensor that the rows' offsets count from, the tile
-    shape and the alignment. Views of one tile shape and alignment share a launch."""
+def _plans(views: list[torch.Tensor], offsets: list[int], what: str, buffer: torch.Tensor) -> list[_Launch]:
+    """The launches over `views` (all of one dtype), tables on the buffer's device: views of one tile
+    shape and alignment share a launch. Refuses a dtype the kernels do not handle."""
     live = [(i, v, o) for i, (v, o) in enumerate(zip(views, offsets)) if v.numel()]
     if not live:
         return []
     base = live[0][1]
+    for dtype in (base.dtype, buffer.dtype):
+        _tl(dtype)
     elsize = base.element_size()
     widest = max(elsize, buffer.element_size())
     aligned_bases = base.data_ptr() % 16 == 0 and buffer.data_ptr() % 16 == 0
@@ -238,7 +255,7 @@ def _plans(views: list[torch.Tensor], offsets: list[int], what: str, buffer: tor
         if buffer.device.type != "cpu":  # from pageable memory: staged before the call returns (temporaries may go)
             desc = desc.to(buffer.device, non_blocking=True)
             tile_slice = tile_slice.to(buffer.device, non_blocking=True)
-        plans.append((desc, tile_slice, totals[cols, align], base, TILE // cols, cols, align))
+        plans.append(_Launch(desc, tile_slice, totals[cols, align], base, TILE // cols, cols, align))
     return plans
 
 
@@ -304,9 +321,7 @@ def pack(
             out[offset:offset + n].view(v.shape).copy_(v)
             offset += n
         return out
-    _tl(dtype)
-    for src_dtype, (group, offsets) in _by_dtype(views).items():  # one launch per source element type
-        _tl(src_dtype)
+    for group, offsets in _by_dtype(views).values():  # launches per source element type
         _launch(_pack_kernel, group, offsets, "slices", out)
     return out
 
@@ -334,15 +349,12 @@ def pack_kernels(slices: Sequence[SliceSpec], out: torch.Tensor) -> Callable[[],
         raise ValueError(f"pack_kernels: the slices hold {sum(v.numel() for v in views)} elements, out {out.numel()}")
     _choose("triton", out.device)
     _same_device(views, out.device, "slices")
-    launches = []
-    for src_dtype, (group, offsets) in _by_dtype(views).items():
-        _tl(src_dtype)
-        launches += _plans(group, offsets, "slices", out)
+    launches = [launch for group, offsets in _by_dtype(views).values()
+                for launch in _plans(group, offsets, "slices", out)]
 
     def run() -> None:
-        for (desc, tile_slice, tiles, base, rows, cols, align) in launches:
-            _pack_kernel[(tiles,)](desc, tile_slice, base, out, R=rows, C=cols, ALIGN=align, NCOL=_NCOL,
-                                   num_warps=NUM_WARPS)
+        for launch in launches:
+            launch(_pack_kernel, out)
 
     return run
 
@@ -382,8 +394,6 @@ def unpack(
                 v.copy_(piece)
             offset += n
         return
-    _tl(buf.dtype)
-    for dst_dtype, (group, offsets) in _by_dtype(views).items():  # one launch per target element type
-        _tl(dst_dtype)
+    for dst_dtype, (group, offsets) in _by_dtype(views).items():  # launches per target element type
         meta = {"ACCUMULATE": bool(accumulate), "COMPUTE": _tl(_compute_dtype(dst_dtype, buf.dtype))}
         _launch(_unpack_kernel, group, offsets, "targets", buf, **meta)

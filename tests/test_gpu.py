@@ -16,6 +16,7 @@ pytestmark = [
     pytest.mark.slow,
 ]
 
+
 def _compiled_vs_one_device(rank, kind, backend):
     """Rank 0 of 1 on NCCL: loss and full gradients of `kind` under dp1 against the model on the same GPU."""
     import torch.distributed as dist
@@ -63,7 +64,7 @@ def test_bf16_trainer_on_nccl_tracks_fp32_adamw():
     from hotswitch.train import data as D
 
     batches = [D.synthetic_skewed(12, 1001, 64, seed=s, min_length=2) for s in range(3)]
-    ref = _reference_steps(make_model("gpt"), batches)  # single-device AdamW, lr 1e-3 as here
+    ref = _reference_steps(make_model("gpt"), batches)  # single-device AdamW at the Trainer's LR
     steps = hs.launch(_bf16_trainer, 1, batches, backend="nccl")
     for (ref_loss, _, ref_weights), step in zip(ref, steps):
         assert step["compute_dtypes"] == {"torch.bfloat16"} and step["master_dtypes"] == {"torch.float32"}, step

@@ -227,9 +227,11 @@ def test_tiles_cover_long_runs_aligned_rows_and_strided_columns():
     assert torch.equal(out, reference_pack(slices, torch.float16))
     plans = [p for views, offsets in _by_dtype([a[s] for a, s in slices]).values()
              for p in _plans(views, offsets, "slices", out)]
-    assert {(p[4], p[5], p[6]) for p in plans} == {(1, 4096, 1), (1, 4096, 4), (256, 16, 1)}
+    assert {(p.rows, p.cols, p.align) for p in plans} == {(1, 4096, 1), (1, 4096, 4), (256, 16, 1)}
     back = torch.zeros(3, 5000)
     unpack(out, [(back, s) for _, s in slices[:2]] + [(back.t(), slices[2][1])], backend="triton")
     want = torch.zeros(3, 5000)
     want[:, 8:4104], want[0, 1:], want[:, 4200:4300] = a[:, 8:4104], a[0, 1:], a[:, 4200:4300]
     assert torch.equal(back, want.half().float())
+    with pytest.raises(ValueError, match="do not handle torch.complex64; use backend='torch'"):
+        pack([(torch.zeros(4, dtype=torch.complex64), ())], backend="triton")
