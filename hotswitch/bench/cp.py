@@ -132,8 +132,6 @@ def _worker(rank: int, o: CpBenchOptions) -> list[dict]:
     return out
 
 
-
-
 class _Layer:
     """The attention layer's weights and batch (the same on every rank), its one-device result, and
     the three layouts' steps."""

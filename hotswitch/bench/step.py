@@ -277,4 +277,3 @@ def _one_device(model, ids, labels, o: StepBenchOptions) -> dict:
         result = _time_steps(step, o, lambda seconds: seconds, lambda: None)
     dist.barrier()
     return result
-

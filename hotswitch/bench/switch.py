@@ -138,8 +138,6 @@ def _behind_compute(cm, a: str, b: str, batch: tuple, repeats: int) -> list[dict
     return out
 
 
-
-
 def _plan_numbers(plan) -> dict:
     s = plan.summary()
     return {k: s[k] for k in ("bytes_moved", "inter_node_bytes", "max_send_bytes", "lower_bound_bytes",
