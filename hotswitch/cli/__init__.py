@@ -8,6 +8,7 @@ registers its parser and sets `run=<function taking the parsed args>`.
     hotswitch bench elastic  a change of devices: planned move vs gathering on one rank vs checkpoint + restart
     hotswitch plan           plan one switch of a large model on a simulated cluster (pure, no processes)
     hotswitch configs        the Pareto front of configs per length and the set to hot-switch between (pure)
+    hotswitch rendezvous     serve the store that elastic agents on several hosts meet in
 
 Command modules import torch only inside their `run` functions, so `--help` stays fast.
 """
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `hotswitch` parser and its sub-commands' (torch is not imported to build them)."""
-    from hotswitch.cli import bench, configs, demo, plan, train
+    from hotswitch.cli import bench, configs, demo, plan, rendezvous, train
     from hotswitch.cli.common import HelpFormatter
 
     parser = argparse.ArgumentParser(prog="hotswitch", formatter_class=HelpFormatter,
@@ -40,6 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
                                      "the repository's examples/ folder, e.g. 'torchrun --nproc-per-node 4 "
                                      "examples/switch_hf_model.py'.")
     subparsers = parser.add_subparsers(title="commands", metavar="COMMAND")
-    for command in (demo, train, bench, plan, configs):
+    for command in (demo, train, bench, plan, configs, rendezvous):
         command.add_parser(subparsers)
     return parser

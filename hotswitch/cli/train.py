@@ -54,7 +54,15 @@ def add_parser(subparsers) -> None:
                    "directory, printed)")
     e.add_argument("--checkpoint-every", type=int, default=2, metavar="N", help="checkpoint every N steps")
     e.add_argument("--step-timeout", type=float, default=30.0, metavar="SECONDS", help="seconds a collective may wait "
-                   "for a peer inside a step before the peer counts as gone")
+                   "for a peer inside a step before the peer counts as gone; a worker whose heartbeat stops this long "
+                   "(hung, stopped) is killed and counts as failed")
+    e.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="several hosts: run the same command on "
+                   "each, this host's agent joins the others through torch's rendezvous at HOST:PORT (serve it with "
+                   "'hotswitch rendezvous --port PORT'); without it, every worker runs on this host")
+    e.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="workers on this host (with "
+                   "--rdzv-endpoint; the job starts once ceil(--world-size / N) hosts joined)")
+    e.add_argument("--rdzv-id", default="hotswitch", metavar="ID", help="the job's id at the rendezvous")
+    e.add_argument("--rdzv-backend", default="c10d", help="torch's rendezvous backend (c10d)")
     p.set_defaults(run=run_train)
 
 
@@ -127,8 +135,24 @@ def _elastic_options(args) -> dict:
         import tempfile
 
         directory = tempfile.mkdtemp(prefix="hotswitch-checkpoints-")
+    rendezvous = None
+    if getattr(args, "rdzv_endpoint", None):
+        if args.checkpoint_dir is None:
+            raise SystemExit("hotswitch: --rdzv-endpoint needs --checkpoint-dir, a directory every host reads and "
+                             "writes (a shared filesystem): a lost host's slices are restored from it")
+        nproc = args.nproc_per_node or args.world_size
+        from hotswitch.elastic.membership import Rendezvous
+
+        try:
+            Rendezvous(args.rdzv_endpoint, args.rdzv_id, nproc, args.rdzv_backend)
+        except ValueError as e:
+            raise SystemExit(f"hotswitch: {e}") from None
+        rendezvous = (args.rdzv_endpoint, args.rdzv_id, nproc, args.rdzv_backend)
+    elif getattr(args, "nproc_per_node", None):
+        raise SystemExit("hotswitch: --nproc-per-node needs --rdzv-endpoint (several hosts); on one host use "
+                         "--world-size")
     return dict(elastic=(low, high), events=tuple(sorted(events)), checkpoint_dir=directory,
-                checkpoint_every=args.checkpoint_every, step_timeout=args.step_timeout)
+                checkpoint_every=args.checkpoint_every, step_timeout=args.step_timeout, rendezvous=rendezvous)
 
 
 def run_train(args) -> int:
@@ -165,12 +189,16 @@ def _name(spec: str) -> str:
 
 def _run_elastic_train(opts, json_path: str | None = None) -> int:
     from hotswitch.distributed.launch import patched_environ
-    from hotswitch.elastic.membership import ElasticError, run_elastic
+    from hotswitch.elastic.membership import ElasticError, Rendezvous, run_elastic
 
     low, high = opts.elastic
+    rendezvous = Rendezvous(*opts.rendezvous) if opts.rendezvous else None
     configs = [opts.static] if opts.static else list(opts.configs)
-    print(f"hotswitch train --elastic {low}:{high}: {opts.model} on "
-          f"{processes(opts.world_size, opts.backend, 'worker processes')}, "
+    where = processes(opts.world_size, opts.backend, "worker processes")
+    if rendezvous is not None:
+        where = (f"{rendezvous.nproc_per_node} worker processes on this host, starting with {opts.world_size} across "
+                 f"hosts (rendezvous {rendezvous.run_id!r} at {rendezvous.endpoint})")
+    print(f"hotswitch train --elastic {low}:{high}: {opts.model} on {where}, "
           f"candidate configs {', '.join(_name(c) for c in configs)}; {opts.steps} steps of {opts.batch_size} "
           f"sequences from {opts.dataset}; checkpoints every {opts.checkpoint_every} steps in {opts.checkpoint_dir}",
           flush=True)
@@ -180,10 +208,15 @@ def _run_elastic_train(opts, json_path: str | None = None) -> int:
     try:
         with patched_environ({"HOTSWITCH_BACKEND": opts.backend} if opts.backend else {}):
             result = run_elastic(_elastic_worker, opts.world_size, opts, min_size=low, max_size=high,
-                                 log=lambda m: print(m, flush=True))
+                                 log=lambda m: print(m, flush=True), heartbeat_timeout_s=opts.step_timeout,
+                                 rendezvous=rendezvous)
     except ElasticError as e:
         print(f"hotswitch train: {e}", file=sys.stderr, flush=True)
         return 1
+    if result is None:  # several hosts: the job's rank 0 ran on another one
+        print(f"the job finished; its summary is on the host of its rank 0 ({time.perf_counter() - t0:.1f} s)",
+              flush=True)
+        return 0
     for r in result["reconfigurations"]:
         print(f"change {r['generation']} ({r['reason']}): {r['source']} -> {r['destination']} workers after step "
               f"{r['step']}, state from {r['restored_from']}, {r['bytes_moved'] / 2**20:.2f} MiB moved in "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import datetime
+import itertools
 import json
 import math
 import time
@@ -43,7 +44,7 @@ from hotswitch.switch.planner import TensorMove, plan_switch, unowned
 from hotswitch.switch.state import JOB_STATE, state_key
 from hotswitch.train.trainer import Trainer, default_base
 
-__all__ = ["ElasticJob", "Event", "Reconfiguration", "configs_for"]
+__all__ = ["ElasticJob", "Event", "Reconfiguration", "configs_for", "hosts_topology"]
 
 
 
@@ -79,6 +80,19 @@ class Reconfiguration:
     move_seconds: float  # the state move (planning + transfer, or checkpoint verification + load)
     seconds: float  # from noticing the change to training again (regroup, move, new Trainer)
     replayed_steps: int  # committed steps run again (from the checkpoint's step)
+    noticed_by: str = ""  # failures: what made this worker notice (MembershipChanged: the store, not a timeout)
+    interrupted: tuple[int, ...] = ()  # generations whose change a further failure cut short (begun again)
+
+
+def hosts_topology(members: Sequence[str]) -> Topology:
+    """The job's nodes from its worker ids: workers "a<k>w<j>" run on host a<k> (one host when the
+    ids carry no host). Hosts of unequal sizes, or not contiguous in rank order, count as one node
+    (only the planner's costs use it)."""
+    hosts = [w.rpartition("w")[0] for w in members]
+    runs = [len(list(g)) for _, g in itertools.groupby(hosts)]
+    n = len(members)
+    per_node = runs[0] if len(set(runs)) == 1 and len(runs) == len(set(hosts)) else n
+    return Topology(n, per_node)
 
 
 def configs_for(candidates, num_devices: int, min_devices: int = 1) -> tuple[int, list[DistConfig]]:
@@ -155,6 +169,9 @@ class ElasticJob:
         self._model: nn.Module | None = None
         self.last_report = None
         self._checkpoint_group = None
+        self._held_state: _Held | None = None  # the job state a change starts from (see _transition)
+        self._layout_cm = None  # a CompiledModel of this job, to compute layouts with (pure)
+        self._logic = None
 
     # ------------------------------------------------------------------------------------ running
     @property
@@ -165,16 +182,20 @@ class ElasticJob:
         """Train until `steps` optimizer steps are committed; returns the result on the job's rank 0
         (None on other workers and on workers that left)."""
         events = sorted(events)
-        record = self.membership.next_record()
+        record = self.membership.next_record(timeout=datetime.timedelta(days=365))  # a spare host's worker waits
+        if record is None:
+            return None  # the job ended before it needed this worker
         if record.generation == 0:
             self._start(record)
         elif not self._transition(record, time.perf_counter()):
             return None
-        while self.trainer.step_count < steps:
+        while True:
             step = self.trainer.step_count
             due = [i for i, e in enumerate(events) if e.step == step and i not in self.applied_events]
             t0 = time.perf_counter()
             try:
+                if step >= steps:
+                    return self._finish()  # a peer lost while the last checkpoint is written is recovered too
                 if due:
                     self.applied_events.add(due[0])
                     if self._planned(events[due[0]], t0):
@@ -186,7 +207,6 @@ class ElasticJob:
             except Exception as error:  # noqa: BLE001 - a peer may have died: see _recover
                 if not self._recover(error, step, t0):
                     return None
-        return self._finish()
 
     def _start(self, record: GenerationRecord) -> None:
         self.membership.join(record)
@@ -217,15 +237,16 @@ class ElasticJob:
         """Trainer hook: store barriers before the step's first collective (so a worker that died
         between steps is noticed without a timeout; that collective, the batch check, runs with the
         short timeout, as gloo reports a dead peer at once only to its ring neighbours) and before
-        the step's compiled collectives (a worker that died while the others compiled), then the short
-        timeout; the long one while compiling and profiling; the commit agreement before the optimizer."""
+        the step's compiled collectives and each profiling probe's (a worker that died while the others
+        compiled is noticed at once, not after a timeout), then the short timeout; the long one while
+        compiling; the commit agreement before the optimizer."""
         if phase == "start":
             self.membership.barrier(f"s{step}/start")
             self.membership.set_timeout(self.step_timeout, keep=(self._checkpoint_group,))
         elif phase == "checked":  # compiling and profiling next: ranks drift apart
             self.membership.set_timeout(LONG_TIMEOUT, keep=(self._checkpoint_group,))
-        elif phase == "compiled":
-            self.membership.barrier(f"s{step}/compiled")
+        elif phase == "compiled" or phase.startswith("probe:"):  # a probe's graph compiled, its collectives next
+            self.membership.barrier(f"s{step}/{phase}")
             self.membership.set_timeout(self.step_timeout, keep=(self._checkpoint_group,))
         elif phase == "update":
             self.membership.agree_to_commit(f"s{step}/update")
@@ -257,17 +278,16 @@ class ElasticJob:
             self.on_change("before", self)
         if self.job_rank == 0:
             self.membership.request(event.kind, event.size)
-        return self._transition(self.membership.next_record(), t0)
+        record = self.membership.next_record()
+        if record is None:
+            raise ElasticError(f"the job ended while {self.membership.wid} waited for the change it asked for")
+        return self._transition(record, t0)
 
     def _recover(self, error: Exception, step: int, t0: float) -> bool:
         """After an exception in a step: wait for the agent's next generation (a peer died); if none
         comes, the exception was ours and is raised. Returns False if this worker left."""
         self.membership.set_timeout(LONG_TIMEOUT)
-        grace = datetime.timedelta(seconds=max(60.0, 3 * self.step_timeout.total_seconds()))
-        try:
-            record = self.membership.next_record(timeout=grace)
-        except Exception:  # noqa: BLE001 - the store wait timed out: nobody died
-            raise error
+        record = self._next_generation(error)
         committed = self.membership.decide_abort(f"s{step}/update")
         assert self.trainer.step_count == step + (1 if committed else 0), \
             f"step {step} {'committed' if committed else 'aborted'} but the trainer is at {self.trainer.step_count}"
@@ -276,7 +296,7 @@ class ElasticJob:
         self.trainer.cm.zero_grad()  # partial gradients of an abandoned step
         self._log(f"[{self.membership.wid}] step {step + 1} interrupted ({type(error).__name__}); "
                   f"{'it was committed' if committed else 'it will run again'}")
-        return self._transition(record, t0)
+        return self._transition(record, t0, type(error).__name__)
 
     def _held(self) -> _Held | None:
         if self.trainer is None:
@@ -284,22 +304,53 @@ class ElasticJob:
         t = self.trainer
         return _Held(t.step_count, t.config(t.base), tuple(self.membership.job_members), t.job_state())
 
-    def _transition(self, record: GenerationRecord, t0: float) -> bool:
-        """Move the job state to `record`'s job; returns False if this worker is not in it."""
-        m = self.membership
-        held = self._held()
-        old_trainer, self.trainer = self.trainer, None
-        logic = old_trainer.cm.logic if old_trainer is not None else None
+    def _transition(self, record: GenerationRecord, t0: float, noticed_by: str = "") -> bool:
+        """Move the job state to `record`'s job; returns False if this worker is not in it. A worker
+        lost during the change (while state moves, a checkpoint loads or the new Trainer forms) makes
+        the agent publish another generation: the change starts again towards it from the state every
+        survivor still holds (the one before the move, or the moved one if the move was committed)."""
+        if self.trainer is not None:
+            self._held_state, self._layout_cm = self._held(), self.trainer.cm
+            self._logic = self.trainer.cm.logic
+        self.trainer = None
         if self.checkpointer is not None:
             self.checkpointer.abandon()
             self.checkpointer = None
+        interrupted = []
+        while True:
+            try:
+                return self._change_to(record, t0, noticed_by, tuple(interrupted))
+            except ElasticError:
+                raise
+            except Exception as error:  # noqa: BLE001 - a peer may have died during the change
+                self.membership.set_timeout(LONG_TIMEOUT)
+                interrupted.append(record.generation)
+                record = self._next_generation(error)
+                self._log(f"[{self.membership.wid}] the change to generation {record.generation - 1} was interrupted "
+                          f"({type(error).__name__}); starting again towards generation {record.generation}")
+
+    def _next_generation(self, error: Exception) -> GenerationRecord:
+        """After an exception: the next generation (a peer died); if none comes, the exception was ours."""
+        grace = datetime.timedelta(seconds=max(60.0, 3 * self.step_timeout.total_seconds()))
+        try:
+            record = self.membership.next_record(timeout=grace)
+        except Exception:  # noqa: BLE001 - the store wait timed out: nobody died
+            raise error from None
+        if record is None:
+            raise error
+        return record
+
+    def _change_to(self, record: GenerationRecord, t0: float, noticed_by: str, interrupted: tuple[int, ...]) -> bool:
+        m = self.membership
+        held = self._held_state
         m.join(record)
+        m.set_timeout(self.step_timeout)  # every collective below follows a store barrier: peers are there
         W = len(record.group)
-        # what every worker holds: identical on every survivor (the commit agreement saw to it)
+        # what every worker holds: identical on every survivor (the commit agreements saw to it)
         desc = None if held is None else (held.step, held.config.spec(), held.members)
         descs: list = [None] * W
-        dist.all_gather_object(descs, desc)
-        held_by = [d for d in descs if d is not None]
+        dist.all_gather_object(descs, (desc, self._layout_cm is not None))
+        held_by = [d for d, _ in descs if d is not None]
         if not held_by:
             raise ElasticError("no worker of the new group holds any job state (every previous worker is gone)")
         if any(d != held_by[0] for d in held_by):
@@ -308,26 +359,24 @@ class ElasticJob:
         used, configs = configs_for(self.candidates, len(record.job), m.min_size)
         job = record.job[:used]
         base = self._base(configs)
-        if held is not None and m.wid == record.group[0]:  # a survivor: it can compute layouts
+        planner = next(i for i, (d, has_cm) in enumerate(descs) if d is not None and has_cm)  # computes the moves
+        if dist.get_rank() == planner:
             base_config = next(c for c in configs if c.name == base)
-            moves = self._moves(old_trainer, DistConfig.parse(src_spec), src_members, base_config, job, record.group)
-            meta = dict(
-                rng=torch.get_rng_state(),
-                applied=sorted(self.applied_events),
-                max_committed=self.max_committed,
-                history=self.reconfigurations,
-            )
+            moves = self._moves(self._layout_cm, DistConfig.parse(src_spec), src_members, base_config, job,
+                                record.group)
+            meta = dict(rng=torch.get_rng_state(), applied=sorted(self.applied_events),
+                        max_committed=self.max_committed, history=self.reconfigurations)
         else:
             moves = meta = None
+        m.barrier("planned", record.group)  # the planner's time is not a collective's wait
         box = [moves, meta]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=planner)
         moves, meta = box
         self.applied_events = set(meta["applied"])
         self.reconfigurations = list(meta["history"])  # joiners learn what happened before them
         self.max_committed = max(self.max_committed, meta["max_committed"])
         gone = frozenset(range(W, W + len(src_members)))  # ids given to source workers not in the group
         lost = unowned(moves, gone)
-        del old_trainer
         t_move = time.perf_counter()
         moved, sent, restored = None, 0, "survivors"
         if not lost:
@@ -340,8 +389,11 @@ class ElasticJob:
             total = comm_tensor([sent], torch.float64)
             dist.all_reduce(total)
             sent = int(total.item())
+            # all or nobody: a worker lost before every one has its part leaves the old state in place
+            m.agree_to_commit("moved", record.group)
+            base_config = next(c for c in configs if c.name == base)
+            self._held_state = _Held(step, base_config, tuple(job), moved) if m.wid in job else None
         move_seconds = time.perf_counter() - t_move
-        held = None
         if m.wid not in job:
             m.leave_group()
             return False
@@ -349,22 +401,28 @@ class ElasticJob:
             m.form_job_group(job)
         else:
             m.job_members = tuple(job)
-        self.trainer = self._new_trainer(configs, self._model or self.build_model(), base=base, logic=logic)
+        m.set_timeout(self.step_timeout)
+        trainer = self._new_trainer(configs, self._model or self.build_model(), base=base, logic=self._logic)
+        self._layout_cm, self._logic = trainer.cm, trainer.cm.logic
         replayed = 0
         if moved is not None:
-            self.trainer.load_job_state(moved, step)
+            trainer.load_job_state(moved, step)
             torch.set_rng_state(meta["rng"])
         else:
             t_move = time.perf_counter()
-            manifest = self._load_checkpoint()
+            manifest = self._load_checkpoint(trainer)
             move_seconds = time.perf_counter() - t_move
             restored = f"checkpoint step {manifest.step}"
             replayed = step - manifest.step
             step = manifest.step
+            m.agree_to_commit("restored")
+            self._held_state = _Held(step, trainer.config(trainer.base), tuple(job), trainer.job_state())
+        self.trainer = trainer
         self._new_checkpointer()
         report = Reconfiguration(
             record.generation, record.reason, step, f"{DistConfig.parse(src_spec).name} on {len(src_members)}",
-            f"{base} on {len(job)}", restored, len(lost), sent, move_seconds, time.perf_counter() - t0, replayed)
+            f"{base} on {len(job)}", restored, len(lost), sent, move_seconds, time.perf_counter() - t0, replayed,
+            noticed_by, interrupted)
         self.reconfigurations.append(report)
         if self.job_rank == 0:
             self._log(f"[elastic] {record.reason}: {report.source} -> {report.destination} workers after step {step}, "
@@ -380,16 +438,16 @@ class ElasticJob:
         return base if base in [c.name for c in configs] else default_base(configs).name
 
     @staticmethod
-    def _moves(trainer: Trainer, src_config: DistConfig, src_members, dst_config: DistConfig, job,
+    def _moves(cm, src_config: DistConfig, src_members, dst_config: DistConfig, job,
                group) -> list[TensorMove]:
         """The job state's moves from the old base layout (on the old members, by their rank in the new
         group; members not in it get ids past the group, never used as sources) to the new base on `job`."""
         W = len(group)
         src_devices = [group.index(w) if w in group else W + i for i, w in enumerate(src_members)]
-        src = trainer.cm.layouts_for(src_config, src_devices)
-        dst = trainer.cm.layouts_for(dst_config, [group.index(w) for w in job])
+        src = cm.layouts_for(src_config, src_devices)
+        dst = cm.layouts_for(dst_config, [group.index(w) for w in job])
         return [TensorMove(state_key(kind, n), src[n].global_shape, 4, src[n], dst[n])
-                for kind in JOB_STATE for n in trainer.cm.logic.param_names]
+                for kind in JOB_STATE for n in cm.logic.param_names]
 
     # ------------------------------------------------------------------------------ pieces
     def _new_trainer(self, configs: list[DistConfig], model: nn.Module, base: str | None = None,
@@ -397,8 +455,7 @@ class ElasticJob:
         self._model = model
         options = dict(self.trainer_options)
         options["base"] = base or self._base(configs)
-        n = configs[0].world_size  # one agent spawns every worker on this host: one node
-        options["topology"] = Topology(n, n)
+        options["topology"] = hosts_topology(self.membership.job_members[:configs[0].world_size])
         trainer = Trainer(model, configs, logic=logic, **options)
         trainer.on_phase = self._on_phase
         return trainer
@@ -410,27 +467,27 @@ class ElasticJob:
 
     def _save_checkpoint(self) -> None:
         t = self.trainer
-        state = self._as_dtensors(t.job_state())
+        state = self._as_dtensors(t, t.job_state())
         meta = dict(step=t.step_count, base=t.base, configs=[c.spec() for c in t.configs],
                     rng=base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode())
         self.checkpointer.save(t.step_count, state, meta)
 
-    def _as_dtensors(self, local: dict[str, torch.Tensor]) -> dict:
+    @staticmethod
+    def _as_dtensors(t: Trainer, local: dict[str, torch.Tensor]) -> dict:
         """{"kind:param": shard in the base layout} as DTensors on the base's mesh (DCP's input)."""
-        cm, out = self.trainer.cm, {}
+        cm, out = t.cm, {}
         for kind in JOB_STATE:
             out.update({state_key(kind, n): d for n, d in cm.as_dtensors(
                 {n: local[state_key(kind, n)] for n in cm.logic.param_names}).items()})
         return out
 
-    def _load_checkpoint(self) -> ckpt.Manifest:
+    def _load_checkpoint(self, t: Trainer) -> ckpt.Manifest:
         """The whole job state from the latest complete checkpoint, resharded into this Trainer's base."""
-        t = self.trainer
         path = ckpt.latest(self.checkpoint_dir)
         if path is None:
             raise ElasticError(f"slices of the job state were lost with the failed worker and {self.checkpoint_dir} "
                                "holds no complete checkpoint to restore them from")
-        state = self._as_dtensors({state_key(kind, n): torch.empty_like(p) for kind in JOB_STATE
+        state = self._as_dtensors(t, {state_key(kind, n): torch.empty_like(p) for kind in JOB_STATE
                                    for n, p in t.cm.local_params.items()})
         manifest = ckpt.load(path, state)
         local = {k: v.to_local() for k, v in state.items()}

@@ -19,11 +19,13 @@ committed step; per-generation step agreement under "g{g}/".
 """
 from __future__ import annotations
 
+import ctypes
 import datetime
 import json
 import multiprocessing.util
 import os
 import pickle
+import signal
 import sys
 import threading
 import time
@@ -42,7 +44,8 @@ from hotswitch.distributed import _c10d
 from hotswitch.distributed.device import default_backend
 from hotswitch.distributed.launch import patched_environ, write_whole_lines
 
-__all__ = ["ElasticError", "GenerationRecord", "Membership", "MembershipChanged", "run_elastic"]
+__all__ = ["ElasticError", "GenerationRecord", "Membership", "MembershipChanged", "Rendezvous", "StoreAddress",
+           "run_elastic", "serve_rendezvous"]
 
 LONG_TIMEOUT = datetime.timedelta(minutes=10)  # collectives while compiling/profiling (ranks drift apart)
 
@@ -73,6 +76,73 @@ class GenerationRecord:
 
 
 # ------------------------------------------------------------------------------------ the agent
+HEARTBEAT_S = 0.5  # how often workers and agents beat (a counter in the store)
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the job's store is: a TCPStore at host:port, keys under `prefix` ("" on one host)."""
+
+    host: str
+    port: int
+    prefix: str = ""
+
+    def connect(self, timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
+        """A new client of the store (one per thread: a client's socket must not serve two threads)."""
+        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        return dist.PrefixStore(self.prefix, store) if self.prefix else store
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """How agents on several hosts find each other: torch's rendezvous (`--rdzv-*` as torchrun spells
+    them). The c10d backend's TCPStore at `endpoint` also holds hotswitch's generations, under
+    "hotswitch/<run_id>/", for agents and workers alike."""
+
+    endpoint: str  # HOST:PORT of the c10d store (`hotswitch rendezvous --port P` serves one)
+    run_id: str = "hotswitch"
+    nproc_per_node: int = 1
+    backend: str = "c10d"
+    agent_timeout_s: float = 5.0  # an agent whose heartbeat stops this long is gone, with its workers
+
+    def __post_init__(self):
+        if self.backend != "c10d":
+            raise ValueError(f"--rdzv-backend {self.backend}: hotswitch's workers keep their generations and step "
+                             "agreement in the rendezvous' own store, which needs the c10d backend (a TCPStore); use "
+                             "--rdzv-backend c10d with `hotswitch rendezvous --port P` as its endpoint")
+        if self.nproc_per_node < 1:
+            raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
+        host, _, port = self.endpoint.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--rdzv-endpoint takes HOST:PORT, got {self.endpoint!r}")
+
+    @property
+    def address(self) -> StoreAddress:
+        host, _, port = self.endpoint.rpartition(":")
+        return StoreAddress(host, int(port), f"hotswitch/{self.run_id}")
+
+    def handler(self, min_nodes: int, max_nodes: int):
+        """torch's `RendezvousHandler` for this job (c10d backend): short keep-alives, so a lost host
+        leaves the rendezvous within seconds and a replacement can join the next round."""
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
+
+        params = RendezvousParameters(self.backend, self.endpoint, self.run_id, min_nodes, max_nodes,
+                                      last_call_timeout=1, keep_alive_interval=1, keep_alive_max_attempt=3,
+                                      join_timeout=600)
+        return get_rendezvous_handler(params)
+
+
+def serve_rendezvous(port: int, host: str = "0.0.0.0", ready: Callable[[int], None] | None = None) -> None:
+    """Serve the rendezvous store (`hotswitch rendezvous`) until killed: a process apart from every
+    training host, so losing any host loses no membership state (torchft runs its Lighthouse apart)."""
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True)
+    if ready is not None:
+        ready(store.port)
+    while True:
+        time.sleep(3600)
+
+
 @dataclass
 class _Worker:
     wid: str
@@ -81,25 +151,40 @@ class _Worker:
     slot: int = 0  # its GPU on this host (NCCL): the lowest one no live worker holds
     done: bool = False  # sent its result (finished, left, or raised)
     silent: bool = False  # its pipe closed without a result (it died)
+    beats: int = 0  # its heartbeat counter when last read, and when that changed (monotonic)
+    beat_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
 class _Agent:
+    """Spawns this host's workers, sees them die (their parent) or hang (their heartbeat stops: they
+    are fenced out with SIGKILL), and publishes generations. Across hosts every agent runs the same
+    loop on the rendezvous' store: a generation is proposed with compare_set on its key, so the first
+    proposal wins and the others re-read it; another host's loss is seen as its agent's heartbeat
+    stopping."""
+
     fn: Callable
     args: tuple
     min_size: int
     max_size: int
     store: Any
+    address: StoreAddress
     env: dict[str, str]
+    heartbeat_timeout_s: float = 30.0
+    rendezvous: Rendezvous | None = None
     workers: dict[str, _Worker] = field(default_factory=dict)
     record: GenerationRecord | None = None
     result: Any = None
     finished: bool = False
+    aid: str = ""  # this agent's id across hosts ("" on one host); its workers are "<aid>w<k>"
     next_id: int = 0
+    dead: set[str] = field(default_factory=set)  # workers known to be gone (ours, or a lost host's)
+    peers: dict[str, list] = field(default_factory=dict)  # other agents: [heartbeat counter, when it changed]
     log: Callable[[str], None] = print
 
+    # -- workers
     def spawn(self, rank: int, world: int) -> str:
-        wid = f"w{self.next_id}"
+        wid = f"{self.aid}w{self.next_id}"
         self.next_id += 1
         ctx = mp.get_context("spawn")
         reader, writer = ctx.Pipe(duplex=False)
@@ -110,146 +195,331 @@ class _Agent:
                # NCCL: a timed-out or aborted collective raises in the worker (which then recovers)
                # instead of the watchdog tearing the process down (torch's default)
                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")}
-        p = ctx.Process(target=_worker_main, args=(self.fn, self.args, wid, self.store.port, writer,
-                                                   self.min_size, self.max_size), name=f"hotswitch-{wid}")
+        p = ctx.Process(target=_worker_main, args=(self.fn, self.args, wid, self.address, writer,
+                                                   self.min_size, self.max_size, os.getpid()), name=f"hotswitch-{wid}")
         with patched_environ(env):  # a spawned child copies os.environ at start: RANK as under torchrun
             p.start()
         writer.close()
         self.workers[wid] = _Worker(wid, p, reader, slot)
         return wid
 
-    def publish(self, record: GenerationRecord) -> None:
-        self.record = record
-        self.store.set(f"elastic/gen/{record.generation}", record.to_json())
-        if record.generation:
-            self.log(f"[elastic] generation {record.generation} ({record.reason}): job {len(record.job)} workers "
-                     f"{list(record.job)}" + (f", lost {list(record.lost)}" if record.lost else ""))
-
     def alive(self, wid: str) -> bool:
         """Still running and still part of the job (a worker that left or finished is not)."""
         w = self.workers[wid]
         return w.process.exitcode is None and not w.done and not w.silent
 
-    def on_exit(self, w: _Worker) -> None:
-        """A worker process ended without a result: its device is gone."""
-        rec = self.record
-        if w.wid not in rec.group and w.wid not in rec.job:
-            return
-        job = tuple(x for x in rec.job if x != w.wid and self.alive(x))
-        group = tuple(x for x in rec.group if x != w.wid and self.alive(x))
-        code = w.process.exitcode
-        self.log(
-            f"[elastic] worker {w.wid} died (exit code {code}{' = signal ' + str(-code) if code and code < 0 else ''})"
-        )
-        if len(job) < self.min_size:
-            raise ElasticError(f"worker {w.wid} died and {len(job)} workers are left, fewer than the minimum "
-                               f"{self.min_size} (--elastic {self.min_size}:{self.max_size}); the job stops. Restart "
-                               "it from the latest checkpoint with more devices, or lower the minimum")
-        self.publish(GenerationRecord(rec.generation + 1, group, job, (w.wid,), "failure"))
+    def check_heartbeats(self) -> None:
+        """Fence out (SIGKILL) a worker whose heartbeat stopped for `heartbeat_timeout_s` (SIGSTOPped,
+        or hung with the interpreter stuck): its death then counts as a failure. Before its first beat
+        (while it imports torch) it gets four times as long."""
+        now = time.monotonic()
+        for w in self.workers.values():
+            if not self.alive(w.wid):
+                continue
+            beats = self.store.add(f"elastic/hb/{w.wid}", 0)
+            if beats != w.beats:
+                w.beats, w.beat_at = beats, now
+            elif now - w.beat_at > self.heartbeat_timeout_s * (1 if beats else 4):
+                self.log(f"[elastic] worker {w.wid} sent no heartbeat for {now - w.beat_at:.1f} s (hung or stopped): "
+                         "fenced out with SIGKILL")
+                w.process.kill()
+
+    def check_peers(self) -> None:
+        """Another host is gone when its agent's heartbeat stops: its workers count as dead."""
+        now, timeout = time.monotonic(), self.rendezvous.agent_timeout_s
+        members = set(self.record.group) | set(self.record.job)
+        for aid in self.agents():
+            if aid == self.aid or aid in self.peers and self.peers[aid][0] is None:
+                continue
+            beats = self.store.add(f"elastic/agent/{aid}/hb", 0)
+            last = self.peers.setdefault(aid, [beats, now])
+            if beats != last[0]:
+                last[:] = [beats, now]
+            elif now - last[1] > timeout and any(w.startswith(f"{aid}w") for w in members):
+                self.log(f"[elastic] agent {aid} sent no heartbeat for {now - last[1]:.1f} s: its host is lost")
+                last[0] = None  # noticed once
+                self.dead.update(json.loads(self.store.get(f"elastic/agent/{aid}/workers")))
+
+    def agents(self) -> list[str]:
+        return [f"a{i}" for i in range(self.store.add("elastic/agents", 0))]
+
+    # -- generations
+    def propose(self, record: GenerationRecord) -> bool:
+        """Publish `record` unless another agent published that generation first (then adopt theirs)."""
+        key, text = f"elastic/gen/{record.generation}", record.to_json()
+        won = self.store.compare_set(key, "", text) == text.encode()
+        self.follow()
+        if won and record.generation:
+            self.log(f"[elastic] generation {record.generation} ({record.reason}): job {len(record.job)} workers "
+                     f"{list(record.job)}" + (f", lost {list(record.lost)}" if record.lost else ""))
+        return won
+
+    def follow(self) -> None:
+        """Adopt every generation published since ours; a worker of ours that one declares lost is
+        fenced out (it may only look hung to the others)."""
+        g = -1 if self.record is None else self.record.generation
+        while self.store.check([f"elastic/gen/{g + 1}"]):
+            g += 1
+            self.record = GenerationRecord.from_json(self.store.get(f"elastic/gen/{g}"))
+            for wid in self.record.lost:
+                self.dead.add(wid)
+                if wid in self.workers and self.alive(wid):
+                    self.workers[wid].process.kill()
+
+    def drop_dead(self) -> None:
+        """Publish a generation without the dead workers of the current one (a failure)."""
+        while True:
+            rec = self.record
+            lost = tuple(w for w in dict.fromkeys(rec.group + rec.job) if w in self.dead)
+            if not lost:
+                return
+            job = tuple(x for x in rec.job if x not in self.dead)
+            group = tuple(x for x in rec.group if x not in self.dead)
+            for wid in lost:
+                if wid in self.workers:
+                    code = self.workers[wid].process.exitcode
+                    self.log(f"[elastic] worker {wid} died (exit code {code}"
+                             f"{' = signal ' + str(-code) if code and code < 0 else ''})")
+            if len(job) < self.min_size:
+                raise ElasticError(f"worker {', '.join(lost)} died and {len(job)} workers are left, fewer than the "
+                                   f"minimum {self.min_size} (--elastic {self.min_size}:{self.max_size}); the job "
+                                   "stops. Restart it from the latest checkpoint with more devices, or lower the "
+                                   "minimum")
+            if self.propose(GenerationRecord(rec.generation + 1, group, job, lost, "failure")):
+                return
 
     def on_request(self, request: dict) -> None:
         rec = self.record
-        rec = GenerationRecord(rec.generation, rec.group, tuple(w for w in rec.job if self.alive(w)))  # spares left
-        kind, size = request["kind"], int(request.get("size", len(rec.job)))
+        job = tuple(w for w in rec.job if w not in self.dead)
+        kind, size = request["kind"], int(request.get("size", len(job)))
         if not self.min_size <= size <= self.max_size:
             raise ElasticError(f"a {kind} to {size} workers was requested, outside --elastic "
                                f"{self.min_size}:{self.max_size}")
-        job = rec.job
         if kind == "redeploy":
-            new = tuple(self.spawn(i, size) for i in range(size))
+            new = self.new_workers(size)
             group, job = job + new, new
         elif size > len(job):
-            new = tuple(self.spawn(len(job) + i, size) for i in range(size - len(job)))
-            group = job = job + new
+            group = job = job + self.new_workers(size - len(job))
         else:
             group, job = job, job[:size]
-        self.publish(GenerationRecord(rec.generation + 1, group, job, (), kind))
+        self.propose(GenerationRecord(rec.generation + 1, group, job, (), kind))
 
+    def new_workers(self, n: int) -> tuple[str, ...]:
+        """On one host: spawn them. Across hosts: idle workers of the hosts that joined (spares)."""
+        if self.rendezvous is None:
+            return tuple(self.spawn(len(self.record.job) + i, n) for i in range(n))
+        busy = set(self.record.group) | set(self.record.job) | self.dead
+        spares = [w for aid in self.agents() for w in json.loads(self.store.get(f"elastic/agent/{aid}/workers"))
+                  if w not in busy]
+        if len(spares) < n:
+            raise ElasticError(f"{n} new workers were requested and the hosts that joined have {len(spares)} idle "
+                               "ones: start another host (the same command line) or ask for fewer")
+        return tuple(spares[:n])
+
+    # -- hosts (the rendezvous)
+    def join_hosts(self, handler, nproc: int) -> None:
+        """Take part in the next rendezvous round; the round's rank 0 then admits its hosts: generation 0
+        from the first round, a scale-out to the new hosts' workers from a later one."""
+        with patched_environ({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}):  # no bootstrap store of its own
+            info = handler.next_rendezvous()
+        info.store.set(f"hotswitch/agent/{info.rank}", self.aid)
+        if info.rank != 0:
+            return
+        hosts = [info.store.get(f"hotswitch/agent/{r}").decode() for r in range(info.world_size)]
+        offered = [w for aid in hosts for w in json.loads(self.store.get(f"elastic/agent/{aid}/workers"))]
+        self.follow()
+        if self.record is None:
+            job = tuple(offered[:self.max_size])
+            self.propose(GenerationRecord(0, job, job))
+            return
+        while True:
+            rec = self.record
+            busy = set(rec.group) | set(rec.job) | self.dead
+            new = tuple(w for w in offered if w not in busy)[:self.max_size - len(rec.job)]
+            if not new or self.propose(GenerationRecord(rec.generation + 1, rec.job + new, rec.job + new, (), "scale")):
+                return
+
+    def watch_hosts(self, handler, nproc: int, stop: threading.Event, errors: list) -> None:
+        """Background: whenever a host waits to join, run a rendezvous round with it (torchrun's agent
+        does the same, but restarts every worker; here the job only grows)."""
+        try:
+            while not stop.wait(1.0):
+                if handler.num_nodes_waiting() > 0:
+                    self.join_hosts(handler, nproc)
+        except Exception as e:  # noqa: BLE001 - reported by the main loop
+            errors.append(e)
+
+    # -- the loop
     def run(self, world_size: int, poll_s: float = 0.02) -> Any:
-        job = tuple(self.spawn(r, world_size) for r in range(world_size))
-        self.publish(GenerationRecord(0, job, job))
-        failure: str | None = None
-        while any(w.process.exitcode is None for w in self.workers.values()):
-            readers = {w.reader: w for w in self.workers.values() if not w.done and not w.silent}
-            sentinels = {w.process.sentinel: w for w in self.workers.values() if w.process.exitcode is None}
-            ready = connection.wait([*readers, *sentinels], timeout=poll_s)
-            for r in ready:
-                if r in readers:
-                    w = readers[r]
-                    try:
-                        status, payload = r.recv()
-                    except (EOFError, OSError):
-                        w.silent = True  # died without a result: its sentinel reports it
-                        continue
-                    w.done = True
-                    if status == "error":
-                        failure = f"worker {w.wid} failed:\n{payload}"
-                    elif status == "result":
-                        self.result, self.finished = pickle.loads(payload), True
-            if failure:
-                break
-            for r in ready:
-                if r in sentinels:
-                    w = sentinels[r]
-                    w.process.join()
-                    if not w.done:
-                        try:
-                            self.on_exit(w)
-                        except ElasticError as e:
-                            failure = str(e)
-            if failure:
-                break
-            key = f"elastic/request/{self.record.generation}"
-            if self.store.check([key]):
-                try:
-                    self.on_request(json.loads(self.store.get(key)))
-                except ElasticError as e:
-                    failure = str(e)
-                    break
-        for w in self.workers.values():
-            if w.process.exitcode is None:
-                w.process.kill()
-            w.process.join()
-            w.reader.close()
+        stop, errors = threading.Event(), []
+        watcher = handler = None
+        if self.rendezvous is None:
+            job = tuple(self.spawn(r, world_size) for r in range(world_size))
+            self.propose(GenerationRecord(0, job, job))
+        else:
+            nproc = self.rendezvous.nproc_per_node
+            self.aid = f"a{self.store.add('elastic/agents', 1) - 1}"
+            mine = [self.spawn(k, nproc) for k in range(nproc)]
+            self.store.set(f"elastic/agent/{self.aid}/workers", json.dumps(mine))
+            self.store.add(f"elastic/agent/{self.aid}/hb", 1)
+            beat = threading.Thread(target=_beat, args=(self.address, f"elastic/agent/{self.aid}/hb", stop),
+                                    name="hotswitch-agent-heartbeat", daemon=True)
+            beat.start()
+            handler = self.rendezvous.handler(-(-world_size // nproc), -(-self.max_size // nproc))
+            self.log(f"[elastic] agent {self.aid} (workers {', '.join(mine)}) joining rendezvous "
+                     f"{self.rendezvous.run_id} at {self.rendezvous.endpoint}")
+            self.join_hosts(handler, nproc)
+            watcher = threading.Thread(target=self.watch_hosts, args=(handler, nproc, stop, errors),
+                                       name="hotswitch-rendezvous", daemon=True)
+            watcher.start()
+            while not self.store.check(["elastic/gen/0"]):
+                time.sleep(poll_s)
+            self.follow()
+        try:
+            failure = self.loop(poll_s, errors)
+        finally:
+            stop.set()
+            for w in self.workers.values():
+                if w.process.exitcode is None:
+                    w.process.kill()
+                w.process.join()
+                w.reader.close()
+            if handler is not None:
+                handler.shutdown()
         if failure:
             raise ElasticError(failure)
-        if not self.finished:
+        if not self.finished and self.rendezvous is None:
             raise ElasticError("every worker ended but none reported the finished job (see the output above)")
         return self.result
 
+    def loop(self, poll_s: float, errors: list) -> str | None:
+        """Until the job finishes (or fails): the failure message or None."""
+        checked = time.monotonic()
+        while True:
+            if any(w.process.exitcode is None for w in self.workers.values()):
+                failure = self.poll_workers(poll_s)
+            else:
+                if self.rendezvous is None or self.store.check(["elastic/finished"]):
+                    return None
+                failure = None
+                time.sleep(poll_s)
+            if failure is None and self.rendezvous is not None and self.store.check(["elastic/failed"]):
+                failure = self.store.get("elastic/failed").decode()
+            if failure is None and errors:
+                failure = f"the rendezvous failed: {errors[0]}"
+            try:
+                if failure is None:
+                    self.follow()
+                    if time.monotonic() - checked > HEARTBEAT_S:
+                        checked = time.monotonic()
+                        self.check_heartbeats()
+                        if self.rendezvous is not None:
+                            self.check_peers()
+                    self.drop_dead()
+                    key = f"elastic/request/{self.record.generation}"
+                    if self.store.check([key]) and self.store.compare_set(f"{key}/agent", "", self.aid or "-") \
+                            == (self.aid or "-").encode():
+                        self.on_request(json.loads(self.store.get(key)))
+            except ElasticError as e:
+                failure = str(e)
+            if failure is not None:
+                if self.rendezvous is not None:
+                    self.store.compare_set("elastic/failed", "", failure)
+                return failure
+
+    def poll_workers(self, poll_s: float) -> str | None:
+        readers = {w.reader: w for w in self.workers.values() if not w.done and not w.silent}
+        sentinels = {w.process.sentinel: w for w in self.workers.values() if w.process.exitcode is None}
+        ready = connection.wait([*readers, *sentinels], timeout=poll_s)
+        for r in ready:
+            if r in readers:
+                w = readers[r]
+                try:
+                    status, payload = r.recv()
+                except (EOFError, OSError):
+                    w.silent = True  # died without a result: its sentinel reports it
+                    continue
+                w.done = True
+                if status == "error":
+                    return f"worker {w.wid} failed:\n{payload}"
+                if status == "result":
+                    self.result, self.finished = pickle.loads(payload), True
+                    self.store.set("elastic/finished", self.aid or "-")
+        for r in ready:
+            if r in sentinels:
+                w = sentinels[r]
+                w.process.join()
+                if not w.done:
+                    self.dead.add(w.wid)
+        return None
+
+
+def _beat(address: StoreAddress, key: str, stop: threading.Event) -> None:
+    """Count up `key` every HEARTBEAT_S until `stop` (a thread with a store client of its own)."""
+    store = address.connect()
+    while not stop.wait(HEARTBEAT_S):
+        store.add(key, 1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: SIGKILL this process when the agent that spawned it dies (a lost host loses its workers
+    too, instead of leaving them blocked in collectives)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it died before the call
+        os._exit(1)
+
 
 def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, min_size: int | None = None,
-                max_size: int | None = None, log: Callable[[str], None] = print) -> Any:
-    """Run `fn(membership, *args)` on `world_size` spawned workers that may fail, join and leave.
+                max_size: int | None = None, log: Callable[[str], None] = print, heartbeat_timeout_s: float = 30.0,
+                rendezvous: Rendezvous | None = None) -> Any:
+    """Run `fn(membership, *args)` on `world_size` spawned workers that may fail, hang, join and leave.
 
     `fn` (picklable, module level) runs in every worker, including workers spawned later for a
     scale-out or redeployment; it returns a value to report (the finished job's rank 0 reports it:
     `membership.finish(value)`) or returns None when the worker leaves. Returns the reported value.
+    A worker whose heartbeat stops for `heartbeat_timeout_s` is killed (fenced out) and counts as failed.
     Raises ElasticError when fewer than `min_size` workers remain or a worker raises.
+
+    With `rendezvous`, this is one host's agent: it spawns `rendezvous.nproc_per_node` workers and
+    joins the other hosts' agents (the same call on every host); the job starts with `world_size`
+    workers once enough hosts have joined, a host joining later is a scale-out, a host lost
+    (its agent's heartbeat stops) a failure. Returns the result on the host whose worker reported
+    it, None on the others.
     """
     min_size = world_size if min_size is None else min_size
     max_size = world_size if max_size is None else max_size
     if not 1 <= min_size <= world_size <= max_size:
         raise ValueError(f"need 1 <= MIN <= world size <= MAX, got MIN={min_size}, world size {world_size}, "
                          f"MAX={max_size}")
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}
-    agent = _Agent(fn, args, min_size, max_size, store, env, log=log)
+    server = None
+    if rendezvous is None:
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        address = StoreAddress("127.0.0.1", server.port)
+    else:
+        address = rendezvous.address
+    store = address.connect()
+    env = {"MASTER_ADDR": address.host, "MASTER_PORT": str(address.port)}
+    agent = _Agent(fn, args, min_size, max_size, store, address, env, heartbeat_timeout_s, rendezvous, log=log)
     try:
         return agent.run(world_size)
     finally:
-        del store
+        del store, server
 
 
-def _worker_main(fn, args, wid: str, port: int, results, min_size: int, max_size: int) -> None:
+def _worker_main(fn, args, wid: str, address: StoreAddress, results, min_size: int, max_size: int,
+                 parent: int) -> None:
+    _die_with_parent(parent)
     status, payload = "error", None
     membership = None
     write_whole_lines()
     try:
         torch.set_num_threads(1)
-        store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), port, is_master=False,
-                              timeout=datetime.timedelta(minutes=30))
-        membership = Membership(wid, store, min_size, max_size)
+        threading.Thread(target=_beat, args=(address, f"elastic/hb/{wid}", threading.Event()),
+                         name="hotswitch-heartbeat", daemon=True).start()
+        membership = Membership(wid, address.connect(), min_size, max_size, address=address)
         if membership.backend == "nccl":  # the GPU the agent gave this worker (no live worker shares it)
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         value = fn(membership, *args)
@@ -269,8 +539,9 @@ def _worker_main(fn, args, wid: str, port: int, results, min_size: int, max_size
 class Membership:
     """A worker's view of the job: the current generation, its process group, and the step agreement."""
 
-    def __init__(self, wid: str, store, min_size: int, max_size: int, backend: str | None = None):
-        self.wid, self.store = wid, store
+    def __init__(self, wid: str, store, min_size: int, max_size: int, backend: str | None = None,
+                 address: StoreAddress | None = None):
+        self.wid, self.store, self.address = wid, store, address
         self.min_size, self.max_size = min_size, max_size
         # nccl where every worker the job may grow to has a GPU; HOTSWITCH_BACKEND overrides
         self.backend = backend or os.environ.get("HOTSWITCH_BACKEND") or default_backend(max_size)
@@ -285,13 +556,23 @@ class Membership:
     def generation(self) -> int:
         return -1 if self.record is None else self.record.generation
 
-    def next_record(self, timeout: datetime.timedelta = LONG_TIMEOUT) -> GenerationRecord:
-        """Wait for the first generation after the current one that includes this worker."""
+    def next_record(self, timeout: datetime.timedelta = LONG_TIMEOUT) -> GenerationRecord | None:
+        """Wait for the first generation after the current one that includes this worker. None when
+        the job ended first, or when a generation declares this worker lost (its agent fences it)."""
         g = self.generation + 1
+        deadline = time.monotonic() + timeout.total_seconds()
         while True:
             key = f"elastic/gen/{g}"
-            self.store.wait([key], timeout)
+            if not self.store.check([key]):
+                if self.store.check(["elastic/finished"]) or self.store.check(["elastic/failed"]):
+                    return None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no generation {g} was published within {timeout}")
+                time.sleep(0.01)
+                continue
             record = GenerationRecord.from_json(self.store.get(key))
+            if self.wid in record.lost:
+                return None
             if self.wid in record.group:
                 return record
             g += 1  # a generation between the one we knew and ours that did not involve us
@@ -314,6 +595,9 @@ class Membership:
         self._init(self.job_members, f"g{self.record.generation}/job")
 
     def _init(self, members: tuple[str, ...], name: str) -> None:
+        # everyone there first (in the store, aborted by a newer generation): a member that died during
+        # the change must not leave the others blocked in init_process_group for its long timeout
+        self.barrier(f"{name}/init", members)
         prefix = dist.PrefixStore(f"elastic/pg/{name}", self.store)
         dist.init_process_group(self.backend, store=prefix, rank=members.index(self.wid), world_size=len(members),
                                 timeout=LONG_TIMEOUT)
@@ -336,8 +620,7 @@ class Membership:
             yield
             return
         if self._watch_store is None:  # a client of its own: one socket must not serve two threads
-            self._watch_store = self.store if not isinstance(self.store, dist.TCPStore) else dist.TCPStore(
-                self.store.host, self.store.port, is_master=False, timeout=LONG_TIMEOUT)
+            self._watch_store = self.store if self.address is None else self.address.connect(LONG_TIMEOUT)
         store = self._watch_store
         key = f"elastic/gen/{self.generation + 1}"
         stop = threading.Event()
@@ -375,20 +658,21 @@ class Membership:
                 _c10d.set_timeout(timeout, pg)
 
     # -- agreement through the store (never blocks on a dead peer)
-    def barrier(self, tag: str, poll_s: float = 0.005) -> None:
-        """Wait until every job worker reached `tag`; raise MembershipChanged if a newer generation
-        appears first (a peer died while we waited)."""
-        keys = self._arrive(tag)
+    def barrier(self, tag: str, members: tuple[str, ...] | None = None, poll_s: float = 0.005) -> None:
+        """Wait until every job worker (or every one of `members`) reached `tag`; raise MembershipChanged
+        if a newer generation appears first (a peer died while we waited)."""
+        keys = self._arrive(tag, members)
         while not self.store.check(keys):
             if self.newer_published():
                 raise MembershipChanged(f"generation {self.generation + 1} published while waiting at {tag!r}")
             time.sleep(poll_s)
 
-    def agree_to_commit(self, tag: str, poll_s: float = 0.005) -> None:
+    def agree_to_commit(self, tag: str, members: tuple[str, ...] | None = None, poll_s: float = 0.005) -> None:
         """Two-phase commit of a step: return only when the step is decided "commit" (every job
         worker arrived), raise MembershipChanged if it was decided "abort" (a newer generation was
-        published first). The first decision, set atomically in the store, binds every worker."""
-        keys = self._arrive(tag)
+        published first). The first decision, set atomically in the store, binds every worker.
+        `members`: who must arrive (default the job's workers)."""
+        keys = self._arrive(tag, members)
         decision_key = f"elastic/g{self.generation}/{tag}/decision"
         while True:
             if self.store.check(keys):
@@ -407,7 +691,7 @@ class Membership:
         key = f"elastic/g{self.generation}/{tag}/decision"
         return self.store.compare_set(key, "", "abort") == b"commit"
 
-    def _arrive(self, tag: str) -> list[str]:
+    def _arrive(self, tag: str, members: tuple[str, ...] | None = None) -> list[str]:
         base = f"elastic/g{self.generation}/{tag}"
         self.store.set(f"{base}/{self.wid}", "1")
-        return [f"{base}/{w}" for w in self.job_members]
+        return [f"{base}/{w}" for w in (self.job_members if members is None else members)]

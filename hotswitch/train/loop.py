@@ -37,6 +37,7 @@ class TrainOptions:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 2
     step_timeout: float = 30.0
+    rendezvous: tuple | None = None  # several hosts: (endpoint, run id, workers per host, backend)
     backend: str | None = None  # nccl | gloo; None: nccl when every process gets a GPU
     prefetch: bool = True  # the next config's weights move while the current one computes
     cp_layout: str = "contiguous"  # how cp configs lay out the sequence (CompiledModel.cp_layout)

@@ -250,7 +250,8 @@ class Trainer:
         self.step_count = 0
         # Called on every rank as `on_phase(phase, step)` by an elastic driver (`hotswitch.elastic`):
         # "start" before the step's first collective (the check that every rank has the same batch)
-        # and "checked" after it; "compiled" when the step's graphs are compiled and its collectives
+        # and "checked" after it; "probe:<config>:<length>" when a profiling probe's graph is compiled
+        # and its collectives begin; "compiled" when the step's graphs are compiled and its collectives
         # begin; "update" just before the optimizer changes anything (raising there leaves the
         # step-start state intact).
         self.on_phase: Callable[[str, int], None] | None = None
@@ -537,6 +538,7 @@ class Trainer:
         rows = self.rows_per_micro_batch(config, length)
         inputs = self._inputs(D.full_length_micro_batch(rows, length, seed=length))
         gm = self.cm.exec_graph(config.name, tuple(tuple(x.shape) for x in inputs))
+        self._phase(f"probe:{config.name}:{length}")
         state = self.state_bytes(config.name)
         need = comm_tensor([state + estimate_peak_bytes(gm)], torch.float64)
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
