@@ -38,7 +38,7 @@ from torch import nn
 from hotswitch.distconfig import DistConfig, Topology, parse_configs
 from hotswitch.distributed.device import comm_tensor
 from hotswitch.elastic import checkpoint as ckpt
-from hotswitch.elastic.membership import LONG_TIMEOUT, ElasticError, GenerationRecord, Membership
+from hotswitch.elastic.membership import LONG_TIMEOUT, ElasticError, Fenced, GenerationRecord, Membership
 from hotswitch.switch.executor import execute_plan
 from hotswitch.switch.planner import TensorMove, plan_switch, unowned
 from hotswitch.switch.state import JOB_STATE, state_key
@@ -159,6 +159,7 @@ class ElasticJob:
             raise ValueError("elastic training moves whole optimizer states: zero1=True is not supported yet")
         self.checkpoint_dir, self.checkpoint_every = str(checkpoint_dir), checkpoint_every
         self.step_timeout = datetime.timedelta(seconds=step_timeout_s)
+        membership.init_timeout = self.step_timeout
         self.on_step, self.on_change = on_step, on_change
         self._log = log or (lambda message: None)
         self.trainer: Trainer | None = None
@@ -168,6 +169,7 @@ class ElasticJob:
         self.max_committed = 0  # the highest step count ever committed (replayed steps are below it)
         self._model: nn.Module | None = None
         self.last_report = None
+        self._ids: list[int] = []  # the sample ids of the step running
         self._checkpoint_group = None
         self._held_state: _Held | None = None  # the job state a change starts from (see _transition)
         self._layout_cm = None  # a CompiledModel of this job, to compute layouts with (pure)
@@ -180,15 +182,30 @@ class ElasticJob:
 
     def run(self, steps: int, events: Sequence[Event] = ()) -> dict | None:
         """Train until `steps` optimizer steps are committed; returns the result on the job's rank 0
-        (None on other workers and on workers that left)."""
-        events = sorted(events)
+        (None on other workers, on workers that left, and on a worker the others declared lost)."""
+        try:
+            return self._run(steps, sorted(events))
+        except Fenced as fenced:
+            self._log(f"[{self.membership.wid}] {fenced}: leaving the job")
+            self.membership.leave_group()
+            return None
+
+    def _run(self, steps: int, events: list[Event]) -> dict | None:
         record = self.membership.next_record(timeout=datetime.timedelta(days=365))  # a spare host's worker waits
         if record is None:
             return None  # the job ended before it needed this worker
-        if record.generation == 0:
-            self._start(record)
-        elif not self._transition(record, time.perf_counter()):
-            return None
+        while not self.membership.store.check(["elastic/started"]):
+            try:
+                self._start(record)
+                break
+            except (ElasticError, Fenced):
+                raise
+            except Exception as error:  # noqa: BLE001 - a worker lost before the job started: start again
+                self.trainer = None
+                record = self._next_generation(error)
+        else:
+            if not self._transition(record, time.perf_counter()):
+                return None
         while True:
             step = self.trainer.step_count
             due = [i for i, e in enumerate(events) if e.step == step and i not in self.applied_events]
@@ -202,7 +219,7 @@ class ElasticJob:
                         continue
                     return None  # this worker left the job
                 self._step(step)
-            except ElasticError:
+            except (ElasticError, Fenced):
                 raise
             except Exception as error:  # noqa: BLE001 - a peer may have died: see _recover
                 if not self._recover(error, step, t0):
@@ -214,22 +231,26 @@ class ElasticJob:
         if used != len(record.job):
             raise ElasticError(f"no candidate config uses all {len(record.job)} workers at the start; candidates "
                                f"fit {used}: start with --world-size {used}")
-        self.trainer = self._new_trainer(configs, self.build_model())
+        trainer = self._new_trainer(configs, self.build_model())
+        # every worker has the step-0 state (or, after a loss, nobody counts as having it: all start
+        # again from the seeded model with the next generation)
+        self.membership.agree_to_commit("started")
+        self.membership.store.set("elastic/started", str(record.generation))
+        self.trainer = trainer
         self._new_checkpointer()
         self._save_checkpoint()  # step 0: a failure before the first periodic checkpoint is recoverable too
 
     def _step(self, step: int) -> None:
         ids, sequences = self.batch(step)
+        self._ids = ids  # recorded once the step commits (see _on_phase)
         with self.membership.watch_peers():  # NCCL: a dead peer aborts the step at once
             report = self.trainer.step(sequences)
         self.membership.set_timeout(LONG_TIMEOUT)
         self.last_report = report
         replayed = report.step <= self.max_committed
         self.max_committed = max(self.max_committed, report.step)
-        if self.job_rank == 0:
-            self.membership.store.set(f"elastic/samples/{step}", json.dumps(ids))
-            if self.on_step is not None:
-                self.on_step(report, replayed)
+        if self.job_rank == 0 and self.on_step is not None:
+            self.on_step(report, replayed)
         if report.step % self.checkpoint_every == 0:
             self._save_checkpoint()
 
@@ -250,6 +271,9 @@ class ElasticJob:
             self.membership.set_timeout(self.step_timeout, keep=(self._checkpoint_group,))
         elif phase == "update":
             self.membership.agree_to_commit(f"s{step}/update")
+            # the step counts from here: its samples are recorded by every worker (the same value), as
+            # any of them may be lost before the step returns
+            self.membership.store.set(f"elastic/samples/{step}", json.dumps(self._ids))
 
     def _finish(self) -> dict | None:
         if self.checkpointer is not None:
@@ -320,7 +344,7 @@ class ElasticJob:
         while True:
             try:
                 return self._change_to(record, t0, noticed_by, tuple(interrupted))
-            except ElasticError:
+            except (ElasticError, Fenced):
                 raise
             except Exception as error:  # noqa: BLE001 - a peer may have died during the change
                 self.membership.set_timeout(LONG_TIMEOUT)
@@ -334,6 +358,8 @@ class ElasticJob:
         grace = datetime.timedelta(seconds=max(60.0, 3 * self.step_timeout.total_seconds()))
         try:
             record = self.membership.next_record(timeout=grace)
+        except Fenced:
+            raise
         except Exception:  # noqa: BLE001 - the store wait timed out: nobody died
             raise error from None
         if record is None:
@@ -351,16 +377,19 @@ class ElasticJob:
         descs: list = [None] * W
         dist.all_gather_object(descs, (desc, self._layout_cm is not None))
         held_by = [d for d, _ in descs if d is not None]
-        if not held_by:
-            raise ElasticError("no worker of the new group holds any job state (every previous worker is gone)")
         if any(d != held_by[0] for d in held_by):
             raise ElasticError(f"survivors hold different job states {sorted(set(held_by))}: cannot combine them")
-        step, src_spec, src_members = held_by[0]
+        # nobody holds it when every holder was lost (say during a scale-out, before the joiners had their
+        # part): then all of it comes from the latest complete checkpoint
+        step, src_spec, src_members = held_by[0] if held_by else (self.max_committed, None, ())
         used, configs = configs_for(self.candidates, len(record.job), m.min_size)
         job = record.job[:used]
         base = self._base(configs)
-        planner = next(i for i, (d, has_cm) in enumerate(descs) if d is not None and has_cm)  # computes the moves
-        if dist.get_rank() == planner:
+        planner = next((i for i, (d, has_cm) in enumerate(descs) if d is not None and has_cm), None)
+        if planner is None:
+            moves, meta = [], dict(rng=None, applied=sorted(self.applied_events), max_committed=self.max_committed,
+                                   history=self.reconfigurations)
+        elif dist.get_rank() == planner:  # it computes the moves
             base_config = next(c for c in configs if c.name == base)
             moves = self._moves(self._layout_cm, DistConfig.parse(src_spec), src_members, base_config, job,
                                 record.group)
@@ -368,15 +397,16 @@ class ElasticJob:
                         max_committed=self.max_committed, history=self.reconfigurations)
         else:
             moves = meta = None
-        m.barrier("planned", record.group)  # the planner's time is not a collective's wait
-        box = [moves, meta]
-        dist.broadcast_object_list(box, src=planner)
-        moves, meta = box
+        if planner is not None:
+            m.barrier("planned", record.group)  # the planner's time is not a collective's wait
+            box = [moves, meta]
+            dist.broadcast_object_list(box, src=planner)
+            moves, meta = box
         self.applied_events = set(meta["applied"])
         self.reconfigurations = list(meta["history"])  # joiners learn what happened before them
         self.max_committed = max(self.max_committed, meta["max_committed"])
         gone = frozenset(range(W, W + len(src_members)))  # ids given to source workers not in the group
-        lost = unowned(moves, gone)
+        lost = unowned(moves, gone) if held_by else {"every tensor"}
         t_move = time.perf_counter()
         moved, sent, restored = None, 0, "survivors"
         if not lost:
@@ -411,16 +441,18 @@ class ElasticJob:
         else:
             t_move = time.perf_counter()
             manifest = self._load_checkpoint(trainer)
+            lost = lost if held_by else set(trainer.job_state())  # every tensor came from the checkpoint
             move_seconds = time.perf_counter() - t_move
             restored = f"checkpoint step {manifest.step}"
-            replayed = step - manifest.step
+            replayed = max(0, step - manifest.step)
             step = manifest.step
             m.agree_to_commit("restored")
             self._held_state = _Held(step, trainer.config(trainer.base), tuple(job), trainer.job_state())
         self.trainer = trainer
         self._new_checkpointer()
         report = Reconfiguration(
-            record.generation, record.reason, step, f"{DistConfig.parse(src_spec).name} on {len(src_members)}",
+            record.generation, record.reason, step,
+            f"{DistConfig.parse(src_spec).name} on {len(src_members)}" if src_spec else "no surviving holder",
             f"{base} on {len(job)}", restored, len(lost), sent, move_seconds, time.perf_counter() - t0, replayed,
             noticed_by, interrupted)
         self.reconfigurations.append(report)

@@ -39,19 +39,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.rendezvous import RendezvousClosedError
 
 from hotswitch.distributed import _c10d
 from hotswitch.distributed.device import default_backend
 from hotswitch.distributed.launch import patched_environ, write_whole_lines
 
-__all__ = ["ElasticError", "GenerationRecord", "Membership", "MembershipChanged", "Rendezvous", "StoreAddress",
-           "run_elastic", "serve_rendezvous"]
+__all__ = ["ElasticError", "Fenced", "GenerationRecord", "Membership", "MembershipChanged", "Rendezvous",
+           "StoreAddress", "run_elastic", "serve_rendezvous"]
 
 LONG_TIMEOUT = datetime.timedelta(minutes=10)  # collectives while compiling/profiling (ranks drift apart)
 
 
 class ElasticError(RuntimeError):
     """The elastic job cannot go on (too few devices left, a worker raised); the message says which."""
+
+
+class Fenced(RuntimeError):
+    """A generation declared this worker lost (it looked dead or hung to the others): it must stop
+    touching the job and leave quietly (its agent kills it if it does not)."""
 
 
 class MembershipChanged(RuntimeError):
@@ -151,8 +157,7 @@ class _Worker:
     slot: int = 0  # its GPU on this host (NCCL): the lowest one no live worker holds
     done: bool = False  # sent its result (finished, left, or raised)
     silent: bool = False  # its pipe closed without a result (it died)
-    beats: int = 0  # its heartbeat counter when last read, and when that changed (monotonic)
-    beat_at: float = field(default_factory=time.monotonic)
+    seen: list = field(default_factory=lambda: [0, time.monotonic()])  # its heartbeat counter (see silent_for)
 
 
 @dataclass
@@ -179,7 +184,9 @@ class _Agent:
     aid: str = ""  # this agent's id across hosts ("" on one host); its workers are "<aid>w<k>"
     next_id: int = 0
     dead: set[str] = field(default_factory=set)  # workers known to be gone (ours, or a lost host's)
-    peers: dict[str, list] = field(default_factory=dict)  # other agents: [heartbeat counter, when it changed]
+    taken: set[str] = field(default_factory=set)  # workers that were in a job once
+    peers: dict[str, list] = field(default_factory=dict)  # other agents' heartbeat counters (see silent_for)
+    lost_agents: set[str] = field(default_factory=set)
     log: Callable[[str], None] = print
 
     # -- workers
@@ -208,37 +215,42 @@ class _Agent:
         w = self.workers[wid]
         return w.process.exitcode is None and not w.done and not w.silent
 
+    def silent_for(self, key: str, seen: list) -> float:
+        """Seconds the heartbeat counter `key` has certainly not moved; `seen` holds [its value, when it
+        was first seen]. That time is taken after the read that saw the value and the present one
+        before this read, so an observer that was itself stopped in between (a host resumed after a
+        SIGSTOP) never overestimates the silence."""
+        before = time.monotonic()
+        value = self.store.add(key, 0)
+        if value != seen[0]:
+            seen[:] = [value, time.monotonic()]
+            return 0.0
+        return before - seen[1]
+
     def check_heartbeats(self) -> None:
         """Fence out (SIGKILL) a worker whose heartbeat stopped for `heartbeat_timeout_s` (SIGSTOPped,
         or hung with the interpreter stuck): its death then counts as a failure. Before its first beat
-        (while it imports torch) it gets four times as long."""
-        now = time.monotonic()
+        (while it imports torch, which a loaded host makes slow) it gets ten times as long, at least 2 minutes."""
         for w in self.workers.values():
             if not self.alive(w.wid):
                 continue
-            beats = self.store.add(f"elastic/hb/{w.wid}", 0)
-            if beats != w.beats:
-                w.beats, w.beat_at = beats, now
-            elif now - w.beat_at > self.heartbeat_timeout_s * (1 if beats else 4):
-                self.log(f"[elastic] worker {w.wid} sent no heartbeat for {now - w.beat_at:.1f} s (hung or stopped): "
+            silent = self.silent_for(f"elastic/hb/{w.wid}", w.seen)
+            if silent > (self.heartbeat_timeout_s if w.seen[0] else max(10 * self.heartbeat_timeout_s, 120)):
+                self.log(f"[elastic] worker {w.wid} sent no heartbeat for {silent:.1f} s (hung or stopped): "
                          "fenced out with SIGKILL")
                 w.process.kill()
 
     def check_peers(self) -> None:
         """Another host is gone when its agent's heartbeat stops: its workers count as dead."""
-        now, timeout = time.monotonic(), self.rendezvous.agent_timeout_s
         members = set(self.record.group) | set(self.record.job)
         for aid in self.agents():
-            if aid == self.aid or aid in self.peers and self.peers[aid][0] is None:
+            if aid == self.aid or aid in self.lost_agents:
                 continue
-            beats = self.store.add(f"elastic/agent/{aid}/hb", 0)
-            last = self.peers.setdefault(aid, [beats, now])
-            if beats != last[0]:
-                last[:] = [beats, now]
-            elif now - last[1] > timeout and any(w.startswith(f"{aid}w") for w in members):
-                self.log(f"[elastic] agent {aid} sent no heartbeat for {now - last[1]:.1f} s: its host is lost")
-                last[0] = None  # noticed once
-                self.dead.update(json.loads(self.store.get(f"elastic/agent/{aid}/workers")))
+            silent = self.silent_for(f"elastic/agent/{aid}/hb", self.peers.setdefault(aid, [-1, time.monotonic()]))
+            if silent > self.rendezvous.agent_timeout_s and any(w.startswith(f"{aid}w") for w in members):
+                self.log(f"[elastic] agent {aid} sent no heartbeat for {silent:.1f} s: its host is lost")
+                self.lost_agents.add(aid)
+                self.dead.update(self.host_workers(aid))
 
     def agents(self) -> list[str]:
         return [f"a{i}" for i in range(self.store.add("elastic/agents", 0))]
@@ -261,6 +273,7 @@ class _Agent:
         while self.store.check([f"elastic/gen/{g + 1}"]):
             g += 1
             self.record = GenerationRecord.from_json(self.store.get(f"elastic/gen/{g}"))
+            self.taken.update(self.record.job)
             for wid in self.record.lost:
                 self.dead.add(wid)
                 if wid in self.workers and self.alive(wid):
@@ -308,44 +321,51 @@ class _Agent:
         """On one host: spawn them. Across hosts: idle workers of the hosts that joined (spares)."""
         if self.rendezvous is None:
             return tuple(self.spawn(len(self.record.job) + i, n) for i in range(n))
-        busy = set(self.record.group) | set(self.record.job) | self.dead
-        spares = [w for aid in self.agents() for w in json.loads(self.store.get(f"elastic/agent/{aid}/workers"))
-                  if w not in busy]
+        busy = set(self.record.group) | self.taken | self.dead  # a worker that left the job has exited
+        spares = [w for aid in self.agents() for w in self.host_workers(aid) if w not in busy]
         if len(spares) < n:
             raise ElasticError(f"{n} new workers were requested and the hosts that joined have {len(spares)} idle "
                                "ones: start another host (the same command line) or ask for fewer")
         return tuple(spares[:n])
 
     # -- hosts (the rendezvous)
-    def join_hosts(self, handler, nproc: int) -> None:
-        """Take part in the next rendezvous round; the round's rank 0 then admits its hosts: generation 0
-        from the first round, a scale-out to the new hosts' workers from a later one."""
+    def join_hosts(self, handler) -> None:
+        """Take part in the next rendezvous round. Its rank 0 then proposes generation 0 (the first
+        round's hosts) or marks the round's hosts admitted: their workers join the job as a scale-out
+        as soon as it has room (`admit`), at once unless it is full."""
         with patched_environ({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}):  # no bootstrap store of its own
             info = handler.next_rendezvous()
         info.store.set(f"hotswitch/agent/{info.rank}", self.aid)
         if info.rank != 0:
             return
         hosts = [info.store.get(f"hotswitch/agent/{r}").decode() for r in range(info.world_size)]
-        offered = [w for aid in hosts for w in json.loads(self.store.get(f"elastic/agent/{aid}/workers"))]
-        self.follow()
-        if self.record is None:
-            job = tuple(offered[:self.max_size])
+        if not self.store.check(["elastic/gen/0"]):
+            job = tuple(w for aid in hosts for w in self.host_workers(aid))[:self.max_size]
             self.propose(GenerationRecord(0, job, job))
-            return
-        while True:
+        for aid in hosts:
+            self.store.set(f"elastic/agent/{aid}/admitted", "1")
+
+    def host_workers(self, aid: str) -> list[str]:
+        return json.loads(self.store.get(f"elastic/agent/{aid}/workers"))
+
+    def admit(self) -> None:
+        """A scale-out to the idle workers of admitted hosts while the job has fewer than MAX workers
+        (a worker is taken in once: one that left by a planned scale-in stays out)."""
+        while len(self.record.job) < self.max_size:
             rec = self.record
-            busy = set(rec.group) | set(rec.job) | self.dead
-            new = tuple(w for w in offered if w not in busy)[:self.max_size - len(rec.job)]
+            busy = set(rec.group) | self.taken | self.dead
+            new = tuple(w for aid in self.agents() if self.store.check([f"elastic/agent/{aid}/admitted"])
+                        for w in self.host_workers(aid) if w not in busy)[:self.max_size - len(rec.job)]
             if not new or self.propose(GenerationRecord(rec.generation + 1, rec.job + new, rec.job + new, (), "scale")):
                 return
 
-    def watch_hosts(self, handler, nproc: int, stop: threading.Event, errors: list) -> None:
+    def watch_hosts(self, handler, stop: threading.Event, errors: list) -> None:
         """Background: whenever a host waits to join, run a rendezvous round with it (torchrun's agent
         does the same, but restarts every worker; here the job only grows)."""
         try:
             while not stop.wait(1.0):
                 if handler.num_nodes_waiting() > 0:
-                    self.join_hosts(handler, nproc)
+                    self.join_hosts(handler)
         except Exception as e:  # noqa: BLE001 - reported by the main loop
             errors.append(e)
 
@@ -360,16 +380,23 @@ class _Agent:
             nproc = self.rendezvous.nproc_per_node
             self.aid = f"a{self.store.add('elastic/agents', 1) - 1}"
             mine = [self.spawn(k, nproc) for k in range(nproc)]
-            self.store.set(f"elastic/agent/{self.aid}/workers", json.dumps(mine))
+            self.store.set(f"elastic/agent/{self.aid}/workers", json.dumps(mine))  # before the round: see admit
             self.store.add(f"elastic/agent/{self.aid}/hb", 1)
             beat = threading.Thread(target=_beat, args=(self.address, f"elastic/agent/{self.aid}/hb", stop),
                                     name="hotswitch-agent-heartbeat", daemon=True)
             beat.start()
-            handler = self.rendezvous.handler(-(-world_size // nproc), -(-self.max_size // nproc))
+            # spare hosts are welcome (a round with more hosts than the job needs leaves workers idle)
+            handler = self.rendezvous.handler(-(-world_size // nproc), max(-(-world_size // nproc), 1024))
             self.log(f"[elastic] agent {self.aid} (workers {', '.join(mine)}) joining rendezvous "
                      f"{self.rendezvous.run_id} at {self.rendezvous.endpoint}")
-            self.join_hosts(handler, nproc)
-            watcher = threading.Thread(target=self.watch_hosts, args=(handler, nproc, stop, errors),
+            try:
+                self.join_hosts(handler)
+            except RendezvousClosedError:
+                if self.store.check(["elastic/finished"]):
+                    self.log(f"[elastic] agent {self.aid}: the job had finished before this host joined")
+                    return None
+                raise
+            watcher = threading.Thread(target=self.watch_hosts, args=(handler, stop, errors),
                                        name="hotswitch-rendezvous", daemon=True)
             watcher.start()
             while not self.store.check(["elastic/gen/0"]):
@@ -406,7 +433,7 @@ class _Agent:
             if failure is None and self.rendezvous is not None and self.store.check(["elastic/failed"]):
                 failure = self.store.get("elastic/failed").decode()
             if failure is None and errors:
-                failure = f"the rendezvous failed: {errors[0]}"
+                failure = f"the rendezvous failed: {errors[0]!r}"
             try:
                 if failure is None:
                     self.follow()
@@ -415,6 +442,7 @@ class _Agent:
                         self.check_heartbeats()
                         if self.rendezvous is not None:
                             self.check_peers()
+                            self.admit()
                     self.drop_dead()
                     key = f"elastic/request/{self.record.generation}"
                     if self.store.check([key]) and self.store.compare_set(f"{key}/agent", "", self.aid or "-") \
@@ -440,7 +468,7 @@ class _Agent:
                     w.silent = True  # died without a result: its sentinel reports it
                     continue
                 w.done = True
-                if status == "error":
+                if status == "error" and w.wid not in self.dead:  # a fenced worker's last words do not count
                     return f"worker {w.wid} failed:\n{payload}"
                 if status == "result":
                     self.result, self.finished = pickle.loads(payload), True
@@ -457,6 +485,7 @@ class _Agent:
 def _beat(address: StoreAddress, key: str, stop: threading.Event) -> None:
     """Count up `key` every HEARTBEAT_S until `stop` (a thread with a store client of its own)."""
     store = address.connect()
+    store.add(key, 1)  # at once: from here on the short timeout applies
     while not stop.wait(HEARTBEAT_S):
         store.add(key, 1)
 
@@ -550,6 +579,7 @@ class Membership:
         self.finished = False
         self._pg_name = ""
         self._watch_store = None  # the peer watch's own store client, made once (see watch_peers)
+        self.init_timeout = LONG_TIMEOUT  # how long forming a group waits for a member (ElasticJob: its step timeout)
 
     # -- generations
     @property
@@ -557,8 +587,8 @@ class Membership:
         return -1 if self.record is None else self.record.generation
 
     def next_record(self, timeout: datetime.timedelta = LONG_TIMEOUT) -> GenerationRecord | None:
-        """Wait for the first generation after the current one that includes this worker. None when
-        the job ended first, or when a generation declares this worker lost (its agent fences it)."""
+        """Wait for the first generation after the current one that includes this worker; None when
+        the job ended first. Raises Fenced when a generation declares this worker lost."""
         g = self.generation + 1
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
@@ -572,7 +602,7 @@ class Membership:
                 continue
             record = GenerationRecord.from_json(self.store.get(key))
             if self.wid in record.lost:
-                return None
+                raise Fenced(f"generation {g} declared worker {self.wid} lost")
             if self.wid in record.group:
                 return record
             g += 1  # a generation between the one we knew and ours that did not involve us
@@ -599,8 +629,11 @@ class Membership:
         # the change must not leave the others blocked in init_process_group for its long timeout
         self.barrier(f"{name}/init", members)
         prefix = dist.PrefixStore(f"elastic/pg/{name}", self.store)
+        # connecting may wait only `init_timeout` for a member (one stopped just after the barrier
+        # raises here, and the next generation is formed without it), later operations LONG_TIMEOUT
         dist.init_process_group(self.backend, store=prefix, rank=members.index(self.wid), world_size=len(members),
-                                timeout=LONG_TIMEOUT)
+                                timeout=self.init_timeout)
+        self.set_timeout(LONG_TIMEOUT)
         self._pg_name = name
 
     @staticmethod
@@ -660,7 +693,10 @@ class Membership:
     # -- agreement through the store (never blocks on a dead peer)
     def barrier(self, tag: str, members: tuple[str, ...] | None = None, poll_s: float = 0.005) -> None:
         """Wait until every job worker (or every one of `members`) reached `tag`; raise MembershipChanged
-        if a newer generation appears first (a peer died while we waited)."""
+        if a newer generation is published before or while we wait (nothing starts in a superseded generation:
+        it would run on while its members are alive, e.g. after a scale-out was published)."""
+        if self.newer_published():
+            raise MembershipChanged(f"generation {self.generation + 1} published before {tag!r}")
         keys = self._arrive(tag, members)
         while not self.store.check(keys):
             if self.newer_published():

@@ -1,0 +1,216 @@
+"""Emulated hosts for the elastic tests: `hotswitch rendezvous` and one agent process per "host"
+(`run_elastic(rendezvous=...)`, 2 gloo workers each) on this machine's loopback, plus the
+single-device AdamW reference the jobs must equal.
+
+The workers train gpt-tiny under pure DP (every count of workers fits; every survivor holds the
+whole state) and wait at a gate before each step's batch, so a test decides when steps run:
+"scale-out:S" waits at step S for generation 2 (a third host's scale-out); "go" waits before every
+step for the test's key "test/go/<step>". A gate also opens when a newer generation is published
+(there is a change to recover from first).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from hotswitch.distconfig import DistConfig
+
+BATCH, NPROC, LR = 8, 2, 1e-3
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEADLINE_S = 300 * float(os.environ.get("HOTSWITCH_TEST_TIMEOUT_SCALE", "1"))  # a hang fails, never a slow run
+
+
+def configs(n: int) -> list[DistConfig]:
+    return [DistConfig(f"dp{n}", dp=n)]
+
+
+def data():
+    from hotswitch.train import data as D
+
+    return D.synthetic_skewed(64, 1001, 64, seed=0), D.SampleOrder(64, BATCH, seed=0)
+
+
+def build():
+    from hotswitch.models import build_model
+
+    torch.manual_seed(0)
+    return build_model("gpt-tiny")
+
+
+def _gate(membership, gate: str, step: int) -> None:
+    if gate.startswith("scale-out:"):
+        if step != int(gate.partition(":")[2]):
+            return
+        key = "elastic/gen/2"
+    else:
+        key = f"test/go/{step}"
+    while not membership.store.check([key]) and not membership.newer_published():
+        time.sleep(0.02)
+
+
+def worker(membership, checkpoint_dir: str, gate: str, steps: int, step_timeout_s: float):
+    import warnings
+
+    from hotswitch.elastic import ElasticJob
+
+    warnings.filterwarnings("ignore")
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # stacks on demand (a hang's diagnosis)
+    membership.store.set(f"test/pid/{membership.wid}", str(os.getpid()))
+    dataset, order = data()
+
+    def batch(step):
+        _gate(membership, gate, step)
+        ids = order.batch(step)
+        return ids, [dataset[i] for i in ids]
+
+    job = ElasticJob(membership, build, configs, batch,
+                     trainer_options=dict(optimizer=dict(name="adamw", lr=LR), buckets=(64,)),
+                     checkpoint_dir=checkpoint_dir, checkpoint_every=2, step_timeout_s=step_timeout_s,
+                     log=lambda m: print(m, flush=True))
+    result = job.run(steps)
+    final = job.trainer.full_job_state() if job.trainer is not None else None
+    if result is not None:
+        result.update(final=final)
+    return result
+
+
+def agent_main(endpoint: str, run_id: str, checkpoint_dir: str, out: str, gate: str, steps: int,
+               timeout_s: float) -> None:
+    """One host's agent (run as `python -c`): the same call on every host; the result to `out`."""
+    from hotswitch.elastic.membership import Rendezvous, run_elastic
+
+    result = run_elastic(worker, 4, checkpoint_dir, gate, steps, timeout_s, min_size=1, max_size=4,
+                         log=lambda m: print(m, flush=True), heartbeat_timeout_s=timeout_s,
+                         rendezvous=Rendezvous(endpoint, run_id, NPROC, agent_timeout_s=timeout_s))
+    if result is not None:
+        torch.save(result, out)
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    """A Python process in a session of its own (so a whole "host" can be signalled at once)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+
+
+def until(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {DEADLINE_S:.0f} s for {what}")
+        time.sleep(0.02)
+
+
+class Cluster:
+    """`hotswitch rendezvous` and the agents started on it; `store` reads the job's keys."""
+
+    def __init__(self, tmp, run_id: str, gate: str, steps: int, timeout_s: float):
+        import torch.distributed as dist
+
+        self.tmp, self.run_id, self.gate, self.steps, self.timeout_s = tmp, run_id, gate, steps, timeout_s
+        self.server = spawn("-m", "hotswitch.cli", "rendezvous", "--port", "0", "--host", "127.0.0.1")
+        self.agents: dict[str, subprocess.Popen] = {}
+        port = int(self.server.stdout.readline().split(" --rdzv-endpoint ")[1].rpartition(":")[2])
+        self.endpoint = f"127.0.0.1:{port}"
+        self.store = dist.PrefixStore(f"hotswitch/{run_id}", dist.TCPStore("127.0.0.1", port, is_master=False))
+
+    def check(self) -> bool:
+        """Raise, with its output, if an agent ended with an error (the job failed): no waiting on."""
+        for name, p in self.agents.items():
+            if p.poll() is not None and p.returncode > 0:
+                raise AssertionError(f"agent {name} failed (exit code {p.returncode}):\n{p.stdout.read()[-6000:]}")
+        return False
+
+    def start(self, name: str) -> None:
+        code = (f"from tests.elastic_hosts import agent_main; agent_main({self.endpoint!r}, {self.run_id!r}, "
+                f"{str(self.tmp / 'ckpt')!r}, {str(self.tmp / (name + '.pt'))!r}, {self.gate!r}, {self.steps}, "
+                f"{self.timeout_s})")
+        self.agents[name] = spawn("-c", code)
+
+    def agent_id(self, name: str) -> str:
+        """The id ("a<k>") agent `name` drew, from the first line it printed."""
+        line = self.agents[name].stdout.readline()
+        return line.split("[elastic] agent ")[1].split()[0]
+
+    def results(self) -> dict[str, dict]:
+        return {name: torch.load(self.tmp / f"{name}.pt") for name in self.agents
+                if (self.tmp / f"{name}.pt").exists()}
+
+    def close(self) -> dict[str, str]:
+        """Stop whatever still runs (stopped hosts included); every agent's output. With
+        HOTSWITCH_TEST_LOGS=FILE, first the job's generations, its keys and every live worker's
+        stacks, then every agent's output, go to FILE (to read after a failure)."""
+        debug = os.environ.get("HOTSWITCH_TEST_LOGS")
+        state = self._state() if debug else ""
+        logs = {}
+        for name, p in [*self.agents.items(), ("rendezvous", self.server)]:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGCONT)
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+            logs[name] = p.stdout.read()
+        if debug:
+            with open(debug, "w") as f:
+                f.write(state)
+                f.writelines(f"== {name} (exit code {self.agents[name].returncode if name in self.agents else '-'})"
+                             f"\n{text}\n" for name, text in logs.items())
+        return logs
+
+    def _state(self) -> str:
+        store, lines, g = self.store, [], 0
+        while store.check([f"elastic/gen/{g}"]):
+            lines.append(store.get(f"elastic/gen/{g}").decode())
+            g += 1
+        for key in ("elastic/finished", "elastic/failed", "elastic/started"):
+            lines.append(f"{key}: {store.get(key).decode() if store.check([key]) else '-'}")
+        lines.append(f"committed: {[s for s in range(self.steps) if store.check([f'elastic/samples/{s}'])]}")
+        for k in range(store.add("elastic/agents", 0)):  # stacks into each agent's output (faulthandler)
+            for wid in json.loads(store.get(f"elastic/agent/a{k}/workers")):
+                if store.check([f"test/pid/{wid}"]):
+                    try:
+                        os.kill(int(store.get(f"test/pid/{wid}")), signal.SIGUSR1)
+                    except ProcessLookupError:
+                        pass
+        time.sleep(2)
+        return "\n".join(lines) + "\n"
+
+
+def reference(batches) -> dict[str, torch.Tensor]:
+    """Single-device AdamW on `batches` (every sequence alone; loss = token losses / targets): the
+    final {"param:<name>", "exp_avg:<name>", "exp_avg_sq:<name>"}, named as the job state is."""
+    model = copy.deepcopy(build())
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for seqs in batches:
+        total = sum(len(s) - 1 for s in seqs)
+        loss = sum(F.cross_entropy(model(input_ids=s[None])[0, :-1].float(), s[1:], reduction="sum")
+                   for s in seqs) / total
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    out = {}
+    for name, p in model.named_parameters():
+        out[f"param:model.{name}"] = p.detach()
+        out.update({f"{k}:model.{name}": opt.state[p][k] for k in ("exp_avg", "exp_avg_sq")})
+    return out
+
+
+def worst_error(final: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], kind: str) -> float:
+    """The largest relative error (norm) over the tensors of `kind` ("param", "exp_avg", ...)."""
+    keys = [k for k in expected if k.startswith(kind + ":")]
+    assert keys and all(k in final for k in keys), sorted(set(keys) - set(final))
+    return max(float((final[k] - expected[k]).norm() / expected[k].norm().clamp_min(1e-30)) for k in keys)
