@@ -146,6 +146,26 @@ def test_plain_and_elastic_training_give_the_trainer_the_same_options():
                                                                                   (64, 128))
 
 
+def test_several_hosts_options_are_checked_and_passed_on():
+    from hotswitch.cli.train import options
+
+    def parse(*extra):
+        return options(cli.build_parser().parse_args(["train", "--world-size", "4", "--elastic", "2:6", *extra]))
+
+    opts = parse("--rdzv-endpoint", "node0:29400", "--nproc-per-node", "2", "--rdzv-id", "job7",
+                 "--checkpoint-dir", "/shared/ckpt")
+    assert opts.rendezvous == ("node0:29400", "job7", 2, "c10d")
+    assert parse().rendezvous is None  # one host
+    with pytest.raises(SystemExit, match="--rdzv-endpoint needs --checkpoint-dir, a directory every host"):
+        parse("--rdzv-endpoint", "node0:29400")
+    with pytest.raises(SystemExit, match="--nproc-per-node needs --rdzv-endpoint"):
+        parse("--nproc-per-node", "2")
+    with pytest.raises(SystemExit, match="--rdzv-endpoint takes HOST:PORT, got 'node0'"):
+        parse("--rdzv-endpoint", "node0", "--checkpoint-dir", "/c")
+    with pytest.raises(SystemExit, match="--rdzv-backend etcd: .* needs the c10d backend"):
+        parse("--rdzv-endpoint", "node0:1", "--checkpoint-dir", "/c", "--rdzv-backend", "etcd")
+
+
 def test_main_without_command_prints_help(capsys):
     assert cli.main([]) == 2
     assert "demo" in capsys.readouterr().out
