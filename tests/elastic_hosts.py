@@ -98,11 +98,30 @@ def agent_main(endpoint: str, run_id: str, checkpoint_dir: str, out: str, gate: 
         torch.save(result, out)
 
 
-def spawn(*args: str) -> subprocess.Popen:
-    """A Python process in a session of its own (so a whole "host" can be signalled at once)."""
+def spawn(*args: str, namespace: str | None = None) -> subprocess.Popen:
+    """A Python process in a session of its own (so a whole "host" can be signalled at once), in
+    network namespace `namespace` if given (its own emulated node)."""
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    command = [sys.executable, *args]
+    if namespace is not None:  # `ip netns exec` execs the command: the pid stays the Python process's
+        from hotswitch.distributed.netns import INTERFACE
+
+        command = ["ip", "netns", "exec", namespace, *command]
+        env.update(GLOO_SOCKET_IFNAME=INTERFACE, TORCH_CPP_LOG_LEVEL="ERROR")
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def emulated_nodes(n: int):
+    """`n` network namespaces on a shaped bridge where this machine allows it (root, iproute2), else
+    None: everything on loopback."""
+    import shutil
+
+    from hotswitch.distributed.netns import EmulatedNodes
+
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
+        return None
+    return EmulatedNodes(n, inter_node_gbit=10.0)
 
 
 def until(condition: Callable[[], bool], what: str) -> None:
@@ -114,17 +133,28 @@ def until(condition: Callable[[], bool], what: str) -> None:
 
 
 class Cluster:
-    """`hotswitch rendezvous` and the agents started on it; `store` reads the job's keys."""
+    """`hotswitch rendezvous` and the agents started on it; `store` reads the job's keys. With `nodes`
+    (an entered `EmulatedNodes`), the rendezvous runs in node 0 and the k-th host started in node k."""
 
-    def __init__(self, tmp, run_id: str, gate: str, steps: int, timeout_s: float):
+    def __init__(self, tmp, run_id: str, gate: str, steps: int, timeout_s: float, nodes=None):
         import torch.distributed as dist
 
+        from hotswitch.distributed.netns import in_namespace
+
         self.tmp, self.run_id, self.gate, self.steps, self.timeout_s = tmp, run_id, gate, steps, timeout_s
-        self.server = spawn("-m", "hotswitch.cli", "rendezvous", "--port", "0", "--host", "127.0.0.1")
+        self.nodes = nodes
+        host = "127.0.0.1" if nodes is None else nodes.address(0)
+        self.server = spawn("-m", "hotswitch.cli", "rendezvous", "--port", "0", "--host", host,
+                            namespace=self._namespace(0))
         self.agents: dict[str, subprocess.Popen] = {}
         port = int(self.server.stdout.readline().split(" --rdzv-endpoint ")[1].rpartition(":")[2])
-        self.endpoint = f"127.0.0.1:{port}"
-        self.store = dist.PrefixStore(f"hotswitch/{run_id}", dist.TCPStore("127.0.0.1", port, is_master=False))
+        self.endpoint = f"{host}:{port}"
+        with in_namespace(self._namespace(0)):  # the client's socket stays in node 0
+            client = dist.TCPStore(host, port, is_master=False)
+        self.store = dist.PrefixStore(f"hotswitch/{run_id}", client)
+
+    def _namespace(self, node: int) -> str | None:
+        return None if self.nodes is None else self.nodes.node_namespace(node)
 
     def check(self) -> bool:
         """Raise, with its output, if an agent ended with an error (the job failed): no waiting on."""
@@ -137,7 +167,7 @@ class Cluster:
         code = (f"from tests.elastic_hosts import agent_main; agent_main({self.endpoint!r}, {self.run_id!r}, "
                 f"{str(self.tmp / 'ckpt')!r}, {str(self.tmp / (name + '.pt'))!r}, {self.gate!r}, {self.steps}, "
                 f"{self.timeout_s})")
-        self.agents[name] = spawn("-c", code)
+        self.agents[name] = spawn("-c", code, namespace=self._namespace(len(self.agents) + 1))
 
     def agent_id(self, name: str) -> str:
         """The id ("a<k>") agent `name` drew, from the first line it printed."""

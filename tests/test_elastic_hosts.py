@@ -19,7 +19,7 @@ import pytest
 
 from tests import elastic_hosts as H
 
-pytestmark = pytest.mark.slow  # spawns 3 agents and 6 workers
+pytestmark = [pytest.mark.hosts, pytest.mark.slow]  # spawns 3 agents and 6 workers: -m hosts
 
 STEPS = 8
 

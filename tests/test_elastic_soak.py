@@ -13,6 +13,7 @@ time from each fault to the next committed step (median, worst).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -111,7 +112,13 @@ class Driver:
 def soak(tmp_path_factory):
     rng = random.Random(SEED)
     faults = schedule(rng)
-    cluster = H.Cluster(tmp_path_factory.mktemp("soak"), "soak", "go", STEPS, timeout_s=TIMEOUT_S)
+    nodes = H.emulated_nodes(2 + 2 + len(faults))  # the rendezvous', the first hosts', replacements'
+    with nodes if nodes is not None else contextlib.nullcontext():
+        yield from _soak(tmp_path_factory, rng, faults, nodes)
+
+
+def _soak(tmp_path_factory, rng, faults, nodes):
+    cluster = H.Cluster(tmp_path_factory.mktemp("soak"), "soak", "go", STEPS, timeout_s=TIMEOUT_S, nodes=nodes)
     driver = Driver(cluster, rng)
     store = cluster.store
     logs = {}
@@ -151,7 +158,8 @@ def soak(tmp_path_factory):
             generations.append(json.loads(store.get(f"elastic/gen/{g}")))
             g += 1
         yield dict(faults=list(faults.values()), results=cluster.results(), codes=codes, generations=generations,
-                   seconds=time.monotonic() - t_start, logs=logs)
+                   seconds=time.monotonic() - t_start, logs=logs,
+                   network="a network namespace per host" if nodes is not None else "loopback")
     finally:
         logs.update(cluster.close())
 
@@ -167,7 +175,8 @@ def test_soak_survives_every_fault(soak):
     kinds = {k: sum(f.kind == k for f in faults) for k in KINDS}
     print(f"\nsoak (seed {SEED}): {len(faults)} faults injected ({', '.join(f'{n} {k}' for k, n in kinds.items())}), "
           f"{len(faults)} survived; fault -> next committed step: median {statistics.median(times):.1f} s, worst "
-          f"{times[-1]:.1f} s; {len(soak['generations'])} generations, {STEPS} steps in {soak['seconds']:.0f} s")
+          f"{times[-1]:.1f} s; {len(soak['generations'])} generations, {STEPS} steps in {soak['seconds']:.0f} s "
+          f"({soak['network']})")
 
 
 def test_soak_state_equals_single_device_adamw_and_each_batch_ran_once(soak):

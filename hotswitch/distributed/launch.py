@@ -13,7 +13,6 @@ runs `fn` in this process only and returns its value.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import gc
 import io
@@ -33,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hotswitch.distributed.device import default_backend
+from hotswitch.distributed.netns import in_namespace
 
 __all__ = ["LaunchError", "launch", "process_context"]
 
@@ -73,7 +73,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, devices_per_node
 
     per_node = devices_per_node or world_size
     master = nodes.address(0) if nodes is not None else "127.0.0.1"
-    with _in_namespace(nodes.node_namespace(0) if nodes is not None else None):  # the store listens in node 0
+    with in_namespace(nodes.node_namespace(0) if nodes is not None else None):  # the store listens in node 0
         store = dist.TCPStore(master, 0, is_master=True, wait_for_workers=False)  # port 0: no port race
     ctx = process_context()
     procs, readers = [], {}
@@ -244,23 +244,6 @@ def _run_in_process(fn, args, backend, timeout):
         # ("terminate called without an active exception") in about 1 run in 6 on a loaded machine
         gc.collect()
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def _in_namespace(name: str | None):
-    """Run the block in network namespace `name` (None: stay), then return to this one."""
-    if name is None:
-        yield
-        return
-    from hotswitch.distributed.netns import _CLONE_NEWNET, enter_namespace
-
-    home = os.open("/proc/self/ns/net", os.O_RDONLY)
-    try:
-        enter_namespace(name)
-        yield
-    finally:
-        ctypes.CDLL(None, use_errno=True).setns(home, _CLONE_NEWNET)
-        os.close(home)
 
 
 # What every rank imports before it runs anything: the server of `process_context` imports it once.

@@ -9,6 +9,7 @@ inside namespaces this process created; everything is removed on exit. Needs roo
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
@@ -35,6 +36,22 @@ def enter_namespace(name: str) -> None:
             raise OSError(ctypes.get_errno(), f"setns into network namespace {name!r} failed")
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def in_namespace(name: str | None):
+    """Run the block in network namespace `name` (None: stay), then return to this one. Sockets opened
+    in the block stay in `name` (how one process talks to a node's address)."""
+    if name is None:
+        yield
+        return
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        enter_namespace(name)
+        yield
+    finally:
+        ctypes.CDLL(None, use_errno=True).setns(home, _CLONE_NEWNET)
+        os.close(home)
 
 
 @dataclass
