@@ -35,10 +35,12 @@ def hosts(tmp_path_factory):
         H.until(lambda: cluster.store.check(["elastic/samples/2"]), "step 3 to be committed")
         g0 = json.loads(cluster.store.get("elastic/gen/0"))
         victim = next(name for name, aid in ids.items() if g0["job"][-1].startswith(aid))
+        pids = [int(cluster.store.get(f"test/pid/{w}")) for w in g0["job"] if w.startswith(ids[victim])]
         killed_at = time.monotonic()
-        os.kill(cluster.agents[victim].pid, signal.SIGKILL)
+        os.kill(cluster.agents[victim].pid, signal.SIGKILL)  # the agent only: its workers die with it
         H.until(lambda: cluster.store.check(["elastic/gen/1"]), "the lost host's generation")
         noticed_s = time.monotonic() - killed_at
+        H.until(lambda: not any(_alive(pid) for pid in pids), "the lost agent's workers to die with it")
         cluster.start("third")
         codes = {name: p.wait(timeout=H.DEADLINE_S) for name, p in cluster.agents.items()}
         generations = [json.loads(cluster.store.get(f"elastic/gen/{g}")) for g in range(3)]
@@ -46,6 +48,14 @@ def hosts(tmp_path_factory):
                    generations=generations, noticed_s=noticed_s, logs=logs)
     finally:
         logs.update(cluster.close())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie (dead, not yet reaped) counts as dead
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_a_lost_host_leaves_the_job_on_the_other_and_a_new_host_joins(hosts):
