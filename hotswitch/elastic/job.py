@@ -362,8 +362,8 @@ class ElasticJob:
             raise
         except Exception:  # noqa: BLE001 - the store wait timed out: nobody died
             raise error from None
-        if record is None:
-            raise error
+        if record is None:  # the job ended meanwhile (e.g. a peer finished the last step and exited first)
+            raise Fenced(f"the job ended while {self.membership.wid} recovered from {type(error).__name__}")
         return record
 
     def _change_to(self, record: GenerationRecord, t0: float, noticed_by: str, interrupted: tuple[int, ...]) -> bool:

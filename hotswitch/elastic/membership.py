@@ -56,8 +56,9 @@ class ElasticError(RuntimeError):
 
 
 class Fenced(RuntimeError):
-    """A generation declared this worker lost (it looked dead or hung to the others): it must stop
-    touching the job and leave quietly (its agent kills it if it does not)."""
+    """This worker is out of the job: a generation declared it lost (it looked dead or hung to the
+    others), or the job ended while it recovered. It must stop touching the job and leave quietly
+    (its agent kills it if it does not)."""
 
 
 class MembershipChanged(RuntimeError):
@@ -389,20 +390,21 @@ class _Agent:
             handler = self.rendezvous.handler(-(-world_size // nproc), max(-(-world_size // nproc), 1024))
             self.log(f"[elastic] agent {self.aid} (workers {', '.join(mine)}) joining rendezvous "
                      f"{self.rendezvous.run_id} at {self.rendezvous.endpoint}")
-            try:
-                self.join_hosts(handler)
-            except RendezvousClosedError:
-                if self.store.check(["elastic/finished"]):
+        try:
+            if handler is not None:
+                try:
+                    self.join_hosts(handler)
+                except RendezvousClosedError:
+                    if not self.store.check(["elastic/finished"]):
+                        raise
                     self.log(f"[elastic] agent {self.aid}: the job had finished before this host joined")
                     return None
-                raise
-            watcher = threading.Thread(target=self.watch_hosts, args=(handler, stop, errors),
-                                       name="hotswitch-rendezvous", daemon=True)
-            watcher.start()
-            while not self.store.check(["elastic/gen/0"]):
-                time.sleep(poll_s)
-            self.follow()
-        try:
+                watcher = threading.Thread(target=self.watch_hosts, args=(handler, stop, errors),
+                                           name="hotswitch-rendezvous", daemon=True)
+                watcher.start()
+                while not self.store.check(["elastic/gen/0"]):
+                    time.sleep(poll_s)
+                self.follow()
             failure = self.loop(poll_s, errors)
         finally:
             stop.set()
