@@ -148,13 +148,14 @@ def test_plain_and_elastic_training_give_the_trainer_the_same_options():
 
 def test_several_hosts_options_are_checked_and_passed_on():
     from hotswitch.cli.train import options
+    from hotswitch.elastic.membership import Rendezvous
 
     def parse(*extra):
         return options(cli.build_parser().parse_args(["train", "--world-size", "4", "--elastic", "2:6", *extra]))
 
     opts = parse("--rdzv-endpoint", "node0:29400", "--nproc-per-node", "2", "--rdzv-id", "job7",
                  "--checkpoint-dir", "/shared/ckpt")
-    assert opts.rendezvous == ("node0:29400", "job7", 2, "c10d")
+    assert opts.rendezvous == Rendezvous("node0:29400", "job7", 2, "c10d")
     assert parse().rendezvous is None  # one host
     with pytest.raises(SystemExit, match="--rdzv-endpoint needs --checkpoint-dir, a directory every host"):
         parse("--rdzv-endpoint", "node0:29400")

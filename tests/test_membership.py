@@ -27,16 +27,25 @@ def test_the_first_proposal_of_a_generation_wins_and_the_other_agent_adopts_it()
     assert b.record == GenerationRecord(1, ("a0w0",), ("a0w0",), ("a1w0",), "failure")
 
 
-def test_heartbeat_silence_resets_when_the_counter_moves():
+def test_heartbeat_silence_is_never_overestimated(monkeypatch):
+    """Silence counts from the clock read *after* the read that first saw the value to the clock read
+    *before* the present read: an observer stopped between two reads (clock jumped) cannot see more."""
+    from hotswitch.elastic import membership
+
     store = dist.HashStore()
     agent = _agent(store, "a0")
+    clock = iter([100.0, 101.0,   # counter 1 first seen: before 100, after 101
+                  104.0,          # unchanged: before the read at 104 -> silent 3 s
+                  110.0, 150.0,   # moved (the observer was stopped meanwhile): 0, first seen at 150
+                  151.0])         # unchanged: 1 s, not the 50 s the clock jumped
+    monkeypatch.setattr(membership.time, "monotonic", lambda: next(clock))
     seen = [0, 0.0]
     store.add("hb", 1)
-    assert agent.silent_for("hb", seen) == 0.0 and seen[0] == 1
-    assert agent.silent_for("hb", seen) >= 0.0  # unchanged: the time since it was first seen
-    first = seen[1]
+    assert agent.silent_for("hb", seen) == 0.0 and seen == [1, 101.0]
+    assert agent.silent_for("hb", seen) == 3.0
     store.add("hb", 1)
-    assert agent.silent_for("hb", seen) == 0.0 and seen[0] == 2 and seen[1] >= first
+    assert agent.silent_for("hb", seen) == 0.0 and seen == [2, 150.0]
+    assert agent.silent_for("hb", seen) == 1.0
 
 
 def test_hosts_topology_from_worker_ids():

@@ -140,14 +140,13 @@ def _elastic_options(args) -> dict:
         if args.checkpoint_dir is None:
             raise SystemExit("hotswitch: --rdzv-endpoint needs --checkpoint-dir, a directory every host reads and "
                              "writes (a shared filesystem): a lost host's slices are restored from it")
-        nproc = args.nproc_per_node or args.world_size
         from hotswitch.elastic.membership import Rendezvous
 
         try:
-            Rendezvous(args.rdzv_endpoint, args.rdzv_id, nproc, args.rdzv_backend)
+            rendezvous = Rendezvous(args.rdzv_endpoint, args.rdzv_id, args.nproc_per_node or args.world_size,
+                                    args.rdzv_backend)
         except ValueError as e:
             raise SystemExit(f"hotswitch: {e}") from None
-        rendezvous = (args.rdzv_endpoint, args.rdzv_id, nproc, args.rdzv_backend)
     elif getattr(args, "nproc_per_node", None):
         raise SystemExit("hotswitch: --nproc-per-node needs --rdzv-endpoint (several hosts); on one host use "
                          "--world-size")
@@ -189,10 +188,10 @@ def _name(spec: str) -> str:
 
 def _run_elastic_train(opts, json_path: str | None = None) -> int:
     from hotswitch.distributed.launch import patched_environ
-    from hotswitch.elastic.membership import ElasticError, Rendezvous, run_elastic
+    from hotswitch.elastic.membership import ElasticError, run_elastic
 
     low, high = opts.elastic
-    rendezvous = Rendezvous(*opts.rendezvous) if opts.rendezvous else None
+    rendezvous = opts.rendezvous
     configs = [opts.static] if opts.static else list(opts.configs)
     where = processes(opts.world_size, opts.backend, "worker processes")
     if rendezvous is not None:

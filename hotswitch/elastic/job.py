@@ -172,8 +172,7 @@ class ElasticJob:
         self._ids: list[int] = []  # the sample ids of the step running
         self._checkpoint_group = None
         self._held_state: _Held | None = None  # the job state a change starts from (see _transition)
-        self._layout_cm = None  # a CompiledModel of this job, to compute layouts with (pure)
-        self._logic = None
+        self._layout_cm = None  # a CompiledModel of this job: layouts (pure) and its traced logic graph
 
     # ------------------------------------------------------------------------------------ running
     @property
@@ -201,8 +200,7 @@ class ElasticJob:
             except (ElasticError, Fenced):
                 raise
             except Exception as error:  # noqa: BLE001 - a worker lost before the job started: start again
-                self.trainer = None
-                record = self._next_generation(error)
+                record = self._next_generation(error)  # (after the start's commit: a change from its state)
         else:
             if not self._transition(record, time.perf_counter()):
                 return None
@@ -335,7 +333,6 @@ class ElasticJob:
         survivor still holds (the one before the move, or the moved one if the move was committed)."""
         if self.trainer is not None:
             self._held_state, self._layout_cm = self._held(), self.trainer.cm
-            self._logic = self.trainer.cm.logic
         self.trainer = None
         if self.checkpointer is not None:
             self.checkpointer.abandon()
@@ -385,12 +382,12 @@ class ElasticJob:
         used, configs = configs_for(self.candidates, len(record.job), m.min_size)
         job = record.job[:used]
         base = self._base(configs)
+        base_config = next(c for c in configs if c.name == base)
         planner = next((i for i, (d, has_cm) in enumerate(descs) if d is not None and has_cm), None)
         if planner is None:
             moves, meta = [], dict(rng=None, applied=sorted(self.applied_events), max_committed=self.max_committed,
                                    history=self.reconfigurations)
         elif dist.get_rank() == planner:  # it computes the moves
-            base_config = next(c for c in configs if c.name == base)
             moves = self._moves(self._layout_cm, DistConfig.parse(src_spec), src_members, base_config, job,
                                 record.group)
             meta = dict(rng=torch.get_rng_state(), applied=sorted(self.applied_events),
@@ -406,10 +403,10 @@ class ElasticJob:
         self.reconfigurations = list(meta["history"])  # joiners learn what happened before them
         self.max_committed = max(self.max_committed, meta["max_committed"])
         gone = frozenset(range(W, W + len(src_members)))  # ids given to source workers not in the group
-        lost = unowned(moves, gone) if held_by else {"every tensor"}
+        lost = unowned(moves, gone)  # no moves when nobody holds the state: all of it from the checkpoint
         t_move = time.perf_counter()
         moved, sent, restored = None, 0, "survivors"
-        if not lost:
+        if held_by and not lost:
             plan = plan_switch(moves, Topology(W + len(src_members), W + len(src_members)), unavailable=gone)
             src = {mv.name: mv.src for mv in moves}
             dst = {mv.name: mv.dst for mv in moves}
@@ -421,7 +418,6 @@ class ElasticJob:
             sent = int(total.item())
             # all or nobody: a worker lost before every one has its part leaves the old state in place
             m.agree_to_commit("moved", record.group)
-            base_config = next(c for c in configs if c.name == base)
             self._held_state = _Held(step, base_config, tuple(job), moved) if m.wid in job else None
         move_seconds = time.perf_counter() - t_move
         if m.wid not in job:
@@ -432,8 +428,9 @@ class ElasticJob:
         else:
             m.job_members = tuple(job)
         m.set_timeout(self.step_timeout)
-        trainer = self._new_trainer(configs, self._model or self.build_model(), base=base, logic=self._logic)
-        self._layout_cm, self._logic = trainer.cm, trainer.cm.logic
+        logic = self._layout_cm.logic if self._layout_cm is not None else None
+        trainer = self._new_trainer(configs, self._model or self.build_model(), base=base, logic=logic)
+        self._layout_cm = trainer.cm
         replayed = 0
         if moved is not None:
             trainer.load_job_state(moved, step)
@@ -441,7 +438,8 @@ class ElasticJob:
         else:
             t_move = time.perf_counter()
             manifest = self._load_checkpoint(trainer)
-            lost = lost if held_by else set(trainer.job_state())  # every tensor came from the checkpoint
+            if not held_by:
+                lost = set(trainer.job_state())  # every tensor came from the checkpoint
             move_seconds = time.perf_counter() - t_move
             restored = f"checkpoint step {manifest.step}"
             replayed = max(0, step - manifest.step)

@@ -3,8 +3,11 @@
 Why not torchrun's elastic agent: on any membership change it restarts *every* worker, so every
 byte of model and optimizer state would have to be re-read from a store or a checkpoint, and ranks
 are not stable. Here workers survive a change: the agent (the launching process, which holds no
-training state and never takes part in a collective) hosts the c10d TCPStore, spawns workers,
-notices a dead one at once (it is their parent), and publishes numbered *generations*; survivors
+training state and never takes part in a collective) spawns workers, notices a dead one at once (it
+is their parent) or a hung one (its heartbeat stops), and publishes numbered *generations*. On one
+host the agent hosts the c10d TCPStore; across hosts (`Rendezvous`) every host runs an agent, they
+join through torch's rendezvous and share its store, and any of them may publish a generation (the
+first `compare_set` on its key wins), a host counting as lost when its agent's heartbeat stops. Survivors
 abort their process groups and join the next generation's group in-process, keeping their shards,
 so the planner moves only what the new layout lacks and a checkpoint is read only for slices that
 no survivor holds.
@@ -15,7 +18,9 @@ sub-list of `group`). The process group of generation g spans `group`, ranks in 
 
 Store keys (all under "elastic/"): "gen/{g}" the JSON record of generation g; "request/{g}" a
 planned change asked for by the job's rank 0 in generation g; "samples/{step}" the sample ids of a
-committed step; per-generation step agreement under "g{g}/".
+committed step; per-generation step agreement under "g{g}/"; heartbeats "hb/{worker}" and
+"agent/{agent}/hb"; hosts "agents" (a counter), "agent/{agent}/workers" and ".../admitted";
+"started", "finished" and "failed" for the whole job.
 """
 from __future__ import annotations
 
@@ -125,7 +130,7 @@ class Rendezvous:
 
     @property
     def address(self) -> StoreAddress:
-        host, _, port = self.endpoint.rpartition(":")
+        host, _, port = self.endpoint.rpartition(":")  # checked above
         return StoreAddress(host, int(port), f"hotswitch/{self.run_id}")
 
     def handler(self, min_nodes: int, max_nodes: int):
@@ -189,6 +194,7 @@ class _Agent:
     peers: dict[str, list] = field(default_factory=dict)  # other agents' heartbeat counters (see silent_for)
     lost_agents: set[str] = field(default_factory=set)
     log: Callable[[str], None] = print
+    _host_workers: dict[str, list[str]] = field(default_factory=dict)
 
     # -- workers
     def spawn(self, rank: int, world: int) -> str:
@@ -347,7 +353,10 @@ class _Agent:
             self.store.set(f"elastic/agent/{aid}/admitted", "1")
 
     def host_workers(self, aid: str) -> list[str]:
-        return json.loads(self.store.get(f"elastic/agent/{aid}/workers"))
+        """Agent `aid`'s workers (written once, before it joins: read once)."""
+        if aid not in self._host_workers:
+            self._host_workers[aid] = json.loads(self.store.get(f"elastic/agent/{aid}/workers"))
+        return self._host_workers[aid]
 
     def admit(self) -> None:
         """A scale-out to the idle workers of admitted hosts while the job has fewer than MAX workers
@@ -373,7 +382,7 @@ class _Agent:
     # -- the loop
     def run(self, world_size: int, poll_s: float = 0.02) -> Any:
         stop, errors = threading.Event(), []
-        watcher = handler = None
+        handler = None
         if self.rendezvous is None:
             job = tuple(self.spawn(r, world_size) for r in range(world_size))
             self.propose(GenerationRecord(0, job, job))
@@ -399,9 +408,8 @@ class _Agent:
                         raise
                     self.log(f"[elastic] agent {self.aid}: the job had finished before this host joined")
                     return None
-                watcher = threading.Thread(target=self.watch_hosts, args=(handler, stop, errors),
-                                           name="hotswitch-rendezvous", daemon=True)
-                watcher.start()
+                threading.Thread(target=self.watch_hosts, args=(handler, stop, errors), name="hotswitch-rendezvous",
+                                 daemon=True).start()
                 while not self.store.check(["elastic/gen/0"]):
                     time.sleep(poll_s)
                 self.follow()

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from hotswitch.progress import Progress
+
+if TYPE_CHECKING:  # the elastic agent imports torch; options are built before it is needed
+    from hotswitch.elastic.membership import Rendezvous
 
 __all__ = ["HF_MODELS", "TrainOptions", "TrainingRun", "build_model", "load_dataset", "run_side_by_side",
            "summary_line"]
@@ -37,7 +41,7 @@ class TrainOptions:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 2
     step_timeout: float = 30.0
-    rendezvous: tuple | None = None  # several hosts: (endpoint, run id, workers per host, backend)
+    rendezvous: Rendezvous | None = None  # several hosts (hotswitch.elastic.membership.Rendezvous)
     backend: str | None = None  # nccl | gloo; None: nccl when every process gets a GPU
     prefetch: bool = True  # the next config's weights move while the current one computes
     cp_layout: str = "contiguous"  # how cp configs lay out the sequence (CompiledModel.cp_layout)
