@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import sys
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
 from hotswitch.progress import Progress
-
-if TYPE_CHECKING:  # the elastic agent imports torch; options are built before it is needed
-    from hotswitch.elastic.membership import Rendezvous
 
 __all__ = ["HF_MODELS", "TrainOptions", "TrainingRun", "build_model", "load_dataset", "run_side_by_side",
            "summary_line"]
@@ -41,7 +37,7 @@ class TrainOptions:
     checkpoint_dir: str | None = None
     checkpoint_every: int = 2
     step_timeout: float = 30.0
-    rendezvous: Rendezvous | None = None  # several hosts (hotswitch.elastic.membership.Rendezvous)
+    rendezvous: object | None = None  # several hosts: a hotswitch.elastic.membership.Rendezvous (a higher layer)
     backend: str | None = None  # nccl | gloo; None: nccl when every process gets a GPU
     prefetch: bool = True  # the next config's weights move while the current one computes
     cp_layout: str = "contiguous"  # how cp configs lay out the sequence (CompiledModel.cp_layout)
