@@ -75,6 +75,7 @@ import ast
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import fcntl
 import functools
 import importlib
@@ -473,6 +474,7 @@ def _worker(
     collective_timeout: float,
 ) -> None:
     adopt_environ(rank_env)  # a forked worker has its server's environment
+    faulthandler.enable(all_threads=True)  # a crashing rank (SIGSEGV, SIGABRT) prints its Python stacks
     try:
         torch.set_num_threads(1)
         with contextlib.suppress(RuntimeError):  # refused once inter-op work has started

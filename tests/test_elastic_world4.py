@@ -37,6 +37,17 @@ def tp_everywhere(n: int) -> list[DistConfig]:
     return [DistConfig(f"tp{n}", tp=n)] if n in (2, 4) else []
 
 
+def _test_log(message: str) -> None:
+    """With HOTSWITCH_TEST_LOGS=FILE, the agent's and the workers' elastic log lines go to FILE (appended,
+    one line each, with the time and pid): what a failure's diagnosis needs. Otherwise nothing."""
+    import time
+
+    path = os.environ.get("HOTSWITCH_TEST_LOGS")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{time.time():.3f} pid {os.getpid()} {message}\n")
+
+
 def _build():
     from hotswitch.models import build_model
 
@@ -59,6 +70,7 @@ def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
     def batch(step):
         if kill is not None and (membership.wid, step) == kill:  # die in the middle of this step
             _wait_for_checkpoint(checkpoint_dir, step)
+            _test_log(f"[{membership.wid}] dies in 0.15 s; complete: {_complete_checkpoints(checkpoint_dir)}")
             threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGKILL)).start()
         ids = order.batch(step)
         return ids, [dataset[i] for i in ids]
@@ -71,12 +83,20 @@ def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
 
     job = ElasticJob(membership, _build, rule, batch, trainer_options=dict(optimizer=dict(name="adamw", lr=1e-2),
                                                                            buckets=(64,)),
-                     checkpoint_dir=checkpoint_dir, checkpoint_every=2, step_timeout_s=3, on_change=on_change)
+                     checkpoint_dir=checkpoint_dir, checkpoint_every=2, step_timeout_s=3, on_change=on_change,
+                     log=_test_log)
     result = job.run(STEPS, [Event(*e) for e in events])
     final = job.trainer.full_job_state() if job.trainer is not None else None
     if result is not None:
         result.update(final=final)
     return result
+
+
+def _complete_checkpoints(directory: str) -> list[str]:
+    from hotswitch.elastic import checkpoint as ckpt
+
+    return [os.path.basename(p) for p in ckpt.list_checkpoints(directory)
+            if os.path.isfile(os.path.join(p, ckpt.MANIFEST))]
 
 
 def _wait_for_checkpoint(directory: str, step: int) -> None:
@@ -108,7 +128,7 @@ def runs(tmp_path_factory):
     ]:
         ckpt, snaps = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}-states")
         out[name] = run_elastic(_worker, world, rule, events, kill, str(ckpt), str(snaps), min_size=2, max_size=4,
-                                log=lambda m: None)
+                                log=_test_log)
         out[name]["snapshots"] = {f.stem: torch.load(f) for f in snaps.glob("*.pt")}
     return out
 

@@ -53,6 +53,21 @@ def test_train_static_runs_one_config_without_switching():
     assert "dp2x" not in line[0] and "tp2spx" in line[0]
 
 
+@pytest.mark.slow
+def test_elastic_train_switches_nothing_when_every_bucket_runs_dp():
+    """A redeployment hands the new workers trained AdamW moments in the job's default base (tp2sp);
+    every bucket runs under dp2 (several times faster than tp2sp at these lengths), so their first step
+    moves the optimizer to dp2 and no step switches (elastic jobs used to switch every step)."""
+    out = _train("--elastic", "2:2", "--redeploy", "2", "--steps", "3")
+    assert "redeploy: dp2 on 2 -> tp2sp on 2 workers after step 2, state from survivors" in out, out
+    steps = re.findall(r"^step (\d+) .* switch ([\d.]+)s \(.*?\) (.*)$", out, re.M)
+    assert [int(s[0]) for s in steps] == [1, 2, 3], out
+    for _, switch, buckets in steps:
+        assert {b.rpartition(":")[2].rpartition("x")[0] for b in buckets.split()} == {"dp2"}, out
+        assert float(switch) == 0.0, out
+    assert re.search(r"^3 steps on workers w2, w3 under dp2, tp2sp", out, re.M), out
+
+
 def test_train_rejects_bad_arguments(tmp_path):
     with pytest.raises(SystemExit, match="unknown model"):
         cli.main(["train", "--model", "nope"])

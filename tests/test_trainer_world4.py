@@ -161,6 +161,41 @@ def check_buckets_all_under_dp_never_switch():
     return dict(before=before, steps=_steps_against(trainer, batches, ref))
 
 
+def check_trained_optimizer_moves_base_exactly():
+    """A Trainer loaded with a trained job state (as an elastic job's new Trainer is) may still move its
+    base: the moments (and bf16's fp32 masters) ride with the planned switch. A: one step under base
+    tp4sp; B, loaded with A's state, runs every bucket under dp4, so its step moves the base there and
+    switches nothing, and equals single-device AdamW's second step; C (bf16) moves it bit for bit."""
+    from hotswitch.switch.state import JOB_STATE, state_key
+    from hotswitch.train.cost_model import Base
+
+    model = _model("gpt")
+    batches = _batches(2)
+    ref = _reference_steps(model, batches)
+    configs, options = ["name=dp4,dp=4", "name=tp4sp,tp=4,sp"], dict(buckets=[64, 128], micro_batch_tokens=128)
+    a = Trainer(model, configs, dict(name="adamw", lr=LR), base="tp4sp", bucket_configs=["dp4", "tp4sp"], **options)
+    a.step(batches[0])
+    full = a.full_job_state()
+
+    def loaded(**kwargs):
+        t = Trainer(model, configs, dict(name="adamw", lr=LR), logic=a.cm.logic, **options, **kwargs)
+        local = {}
+        for kind in JOB_STATE:
+            shards = t.cm.shard_like_params({n: full[state_key(kind, n)] for n in t.cm.logic.param_names})
+            local.update({state_key(kind, n): v.clone() for n, v in shards.items()})
+        t.load_job_state(local, a.step_count)
+        return t
+
+    b = loaded(bucket_configs=["dp4", "dp4"])
+    before = b.base
+    steps = _steps_against(b, batches[1:], ref[1:])
+    c = loaded(compute_dtype=torch.bfloat16)
+    c._rebase(Base("dp4", False))
+    moved = c.full_job_state()
+    return dict(before=before, steps=steps, bf16_base=c.base, bf16_exact=sorted(k for k in full if not torch.equal(
+        full[k], moved[k])), bf16_weights={v.dtype for v in c.cm.local_params.values()})
+
+
 def check_different_batches_are_refused():
     """A rank given another global batch: every rank raises, naming it, before any collective."""
     import torch.distributed as dist
@@ -205,6 +240,7 @@ results = dist_fixture(
         check_llama_with_automatic_buckets_matches_single_device,
         check_different_batches_are_refused,
         check_buckets_all_under_dp_never_switch,
+        check_trained_optimizer_moves_base_exactly,
         check_bf16_compute_keeps_fp32_masters,
     ],
     env={"HOTSWITCH_PACK_BACKEND": "torch"},
@@ -285,6 +321,17 @@ def test_buckets_all_under_dp_step_without_switching(results):
     _assert_equivalent(out["steps"], worst_tensor=1e-5, configs={"dp4"})
     for s in out["steps"]:
         assert s["report"].base == "dp4" and s["report"].switches == ()
+
+
+def test_trained_optimizer_moves_to_the_assigned_base(results):
+    """Issue 16 for elastic jobs: their new Trainers hold trained moments and still switch nothing
+    when every bucket runs under one config."""
+    out = results["check_trained_optimizer_moves_base_exactly"].raise_if_failed()[0]
+    assert out["before"] == "tp4sp"
+    _assert_equivalent(out["steps"], worst_tensor=1e-5, configs={"dp4"})
+    (step,) = out["steps"]
+    assert step["report"].base == "dp4" and step["report"].switches == ()
+    assert out["bf16_base"] == "dp4" and out["bf16_exact"] == [] and out["bf16_weights"] == {torch.bfloat16}
 
 
 def test_different_batches_on_ranks_are_named(results):

@@ -170,6 +170,7 @@ class ElasticJob:
         self._model: nn.Module | None = None
         self.last_report = None
         self._ids: list[int] = []  # the sample ids of the step running
+        self._step_start: _Held | None = None  # the job state when the step running began
         self._checkpoint_group = None
         self._held_state: _Held | None = None  # the job state a change starts from (see _transition)
         self._layout_cm = None  # a CompiledModel of this job: layouts (pure) and its traced logic graph
@@ -239,10 +240,12 @@ class ElasticJob:
         self._save_checkpoint()  # step 0: a failure before the first periodic checkpoint is recoverable too
 
     def _step(self, step: int) -> None:
+        self._step_start = self._held()  # what a change starts from if this step aborts (its base may move)
         ids, sequences = self.batch(step)
         self._ids = ids  # recorded once the step commits (see _on_phase)
         with self.membership.watch_peers():  # NCCL: a dead peer aborts the step at once
             report = self.trainer.step(sequences)
+        self._step_start = None
         self.membership.set_timeout(LONG_TIMEOUT)
         self.last_report = report
         replayed = report.step <= self.max_committed
@@ -318,7 +321,7 @@ class ElasticJob:
         self.trainer.cm.zero_grad()  # partial gradients of an abandoned step
         self._log(f"[{self.membership.wid}] step {step + 1} interrupted ({type(error).__name__}); "
                   f"{'it was committed' if committed else 'it will run again'}")
-        return self._transition(record, t0, type(error).__name__)
+        return self._transition(record, t0, type(error).__name__, held=None if committed else self._step_start)
 
     def _held(self) -> _Held | None:
         if self.trainer is None:
@@ -326,13 +329,14 @@ class ElasticJob:
         t = self.trainer
         return _Held(t.step_count, t.config(t.base), tuple(self.membership.job_members), t.job_state())
 
-    def _transition(self, record: GenerationRecord, t0: float, noticed_by: str = "") -> bool:
+    def _transition(self, record: GenerationRecord, t0: float, noticed_by: str = "", held: _Held | None = None) -> bool:
         """Move the job state to `record`'s job; returns False if this worker is not in it. A worker
         lost during the change (while state moves, a checkpoint loads or the new Trainer forms) makes
         the agent publish another generation: the change starts again towards it from the state every
-        survivor still holds (the one before the move, or the moved one if the move was committed)."""
+        survivor still holds (the one before the move, or the moved one if the move was committed).
+        `held`: the state to start from, when not the Trainer's own (that of an aborted step's start)."""
         if self.trainer is not None:
-            self._held_state, self._layout_cm = self._held(), self.trainer.cm
+            self._held_state, self._layout_cm = held or self._held(), self.trainer.cm
         self.trainer = None
         if self.checkpointer is not None:
             self.checkpointer.abandon()
@@ -429,7 +433,7 @@ class ElasticJob:
             m.job_members = tuple(job)
         m.set_timeout(self.step_timeout)
         logic = self._layout_cm.logic if self._layout_cm is not None else None
-        trainer = self._new_trainer(configs, self._model or self.build_model(), base=base, logic=logic)
+        trainer = self._new_trainer(configs, self._model or self.build_model(), logic=logic)
         self._layout_cm = trainer.cm
         replayed = 0
         if moved is not None:
@@ -480,13 +484,16 @@ class ElasticJob:
                 for kind in JOB_STATE for n in cm.logic.param_names]
 
     # ------------------------------------------------------------------------------ pieces
-    def _new_trainer(self, configs: list[DistConfig], model: nn.Module, base: str | None = None,
-                     logic=None) -> Trainer:
+    def _new_trainer(self, configs: list[DistConfig], model: nn.Module, logic=None) -> Trainer:
+        """A Trainer whose base is `_base(configs)`, the layout the job state arrives in. Unless the user
+        fixed the base, its first step may move the optimizer to a config the step visits anyway, so that a
+        step whose buckets all run under one config switches nothing (elastic moves need ZeRO-1 off)."""
         self._model = model
-        options = dict(self.trainer_options)
-        options["base"] = base or self._base(configs)
+        options = dict(self.trainer_options, zero1=False)
+        options["base"] = options.get("base") if options.get("base") in [c.name for c in configs] else None
         options["topology"] = hosts_topology(self.membership.job_members[:configs[0].world_size])
         trainer = Trainer(model, configs, logic=logic, **options)
+        assert trainer.base == self._base(configs), (trainer.base, self._base(configs))
         trainer.on_phase = self._on_phase
         return trainer
 
@@ -517,6 +524,7 @@ class ElasticJob:
         if path is None:
             raise ElasticError(f"slices of the job state were lost with the failed worker and {self.checkpoint_dir} "
                                "holds no complete checkpoint to restore them from")
+        self._log(f"[{self.membership.wid}] restoring the job state from {path}")
         state = self._as_dtensors(t, {state_key(kind, n): torch.empty_like(p) for kind in JOB_STATE
                                    for n, p in t.cm.local_params.items()})
         manifest = ckpt.load(path, state)

@@ -256,7 +256,8 @@ class Trainer:
         # step-start state intact).
         self.on_phase: Callable[[str, int], None] | None = None
         self.cm.switch(self.base)
-        self._init_optimizer({n: masters_fp32[n.removeprefix("model.")] for n in self.cm.logic.param_names})
+        self._init_optimizer(self.cm.shard_like_params(
+            {n: masters_fp32[n.removeprefix("model.")] for n in self.cm.logic.param_names}))
 
     # ------------------------------------------------------------------------------------ training
     def step(self, global_batch) -> StepReport:
@@ -656,14 +657,30 @@ class Trainer:
         return (False, True)  # ZeRO-1 only where the whole optimizer state would not fit: False first
 
     def _rebase(self, base: Base) -> None:
-        """Move the fp32 masters and AdamW to `base`: full masters gathered, then sharded anew.
-        Only before the first optimizer step (the moments are still empty)."""
-        if self.optimizer.state:
-            raise RuntimeError("the base moves only before the first optimizer step")
-        full = self.cm.full_state_dict(canonical=True, params=self._master_shards())
-        self.base, self.zero1 = base.config, base.zero1
-        self.cm.switch(self.base)
-        self._init_optimizer(full)
+        """Move the fp32 masters and AdamW to `base`. Before the first optimizer step (or into or out of
+        ZeRO-1 chunks, only then) the full masters are gathered and sharded anew; later (an elastic job's
+        new Trainer, loaded with a trained job state) the moments, and the masters where they are not the
+        weights, ride along with the switch's planned move as attached states."""
+        if not self.optimizer.state:
+            full = self.cm.full_state_dict(canonical=True, params=self._master_shards())
+            self.base, self.zero1 = base.config, base.zero1
+            self.cm.switch(self.base)
+            self._init_optimizer(self.cm.shard_like_params(full))
+            return
+        if self._dp_group is not None or base.zero1:
+            raise RuntimeError("a trained optimizer's base moves without ZeRO-1 only (its chunks are not switched)")
+        state = self.job_state()
+        riding = [k for k in JOB_STATE if not (k == StateKind.PARAM and self._masters_are_weights)]
+        for kind in riding:
+            self.cm.attach_state(kind.value, {n: state[state_key(kind, n)] for n in self._names})
+        try:
+            self.cm.switch(base.config)
+        finally:
+            moved = {kind: self.cm.detach_state(kind.value) for kind in riding}
+        self.base = base.config
+        self._init_optimizer(moved.get(StateKind.PARAM, self.cm.local_params))
+        self.load_job_state({state_key(kind, n): (moved[kind] if kind in moved else self._masters)[n]
+                             for kind in JOB_STATE for n in self._names}, self.step_count)
 
     def choose_buckets(self, lengths: Sequence[int]) -> tuple[int, ...]:
         """Fix the bucket bounds from a sample of sequence lengths (e.g. the whole dataset's) instead
@@ -699,11 +716,15 @@ class Trainer:
         return [D.Bucket(b.index, b.low, b.high, tuple((i,) for i in b.sequences)) for b in buckets]
 
     # ------------------------------------------------------------------------------------ optimizer
-    def _init_optimizer(self, full_fp32: dict[str, torch.Tensor]) -> None:
-        """fp32 masters and AdamW in the base layout; ZeRO-1 keeps only this dp rank's flat chunk."""
+    @property
+    def _masters_are_weights(self) -> bool:
+        return self._dp_group is None and self.compute_dtype == torch.float32
+
+    def _init_optimizer(self, masters: dict[str, torch.Tensor]) -> None:
+        """fp32 masters (`masters`: this rank's shards in the base layout) and AdamW; ZeRO-1 keeps only
+        this dp rank's flat chunk; with fp32 compute and no ZeRO-1 the base's weights are the masters."""
         names = self.cm.logic.param_names
         local = self.cm.local_params
-        masters = self.cm.shard_like_params(full_fp32)
         self._names = list(names)
         self._shapes = {n: local[n].shape for n in names}
         base = self.config(self.base)
@@ -716,8 +737,8 @@ class Trainer:
             flat = torch.nn.functional.pad(flat, (0, self._chunk * dp - flat.numel()))
             self._masters = {"flat": flat[index * self._chunk: (index + 1) * self._chunk].clone()}
             self._dp_index = index
-        elif self.compute_dtype == torch.float32:
-            self._masters = local  # fp32 compute: the base's weights are the masters
+        elif self._masters_are_weights:
+            self._masters = local
         else:
             self._masters = {n: masters[n].clone() for n in names}
         self.optimizer = torch.optim.AdamW(list(self._masters.values()), lr=self.adamw.lr, betas=self.adamw.betas,
