@@ -127,8 +127,15 @@ def runs(tmp_path_factory):
         ("scaling", 2, tp_everywhere, [(1, "scale", 4), (2, "scale", 2), (3, "redeploy")], None),
     ]:
         ckpt, snaps = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}-states")
+        log: list[str] = []
+
+        def agent_log(message: str, log=log) -> None:
+            log.append(message)
+            _test_log(message)
+
         out[name] = run_elastic(_worker, world, rule, events, kill, str(ckpt), str(snaps), min_size=2, max_size=4,
-                                log=_test_log)
+                                log=agent_log)
+        out[name]["log"] = log
         out[name]["snapshots"] = {f.stem: torch.load(f) for f in snaps.glob("*.pt")}
     return out
 
@@ -141,11 +148,12 @@ def test_sigkill_mid_step_goes_on_with_three_workers_from_checkpoint(runs):
     failure = runs["failure"]
     assert failure["steps"] == STEPS
     assert failure["workers"] == ["w0", "w1", "w3"] and failure["configs"] == ["dp3"]
+    assert "[elastic] worker w2 died (exit code -9 = signal 9)" in failure["log"], failure["log"]  # the test's kill
     (change,) = failure["reconfigurations"]
     assert change["reason"] == "failure" and change["source"] == "tp4 on 4" and change["destination"] == "dp3 on 3"
     # w2's TP shards had no replica: the whole state came from the step-2 checkpoint. The killed step
     # (index 2) was never committed, so nothing is replayed beyond it.
-    assert change["lost_tensors"] > 0 and change["restored_from"] == "checkpoint step 2"
+    assert change["lost_tensors"] > 0 and change["restored_from"] == "checkpoint step 2", failure["log"]
     assert change["step"] == 2 and change["replayed_steps"] == 0
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import faulthandler
 import json
 import multiprocessing.util
 import os
@@ -551,6 +552,7 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, min_size: i
 def _worker_main(fn, args, wid: str, address: StoreAddress, results, min_size: int, max_size: int,
                  parent: int) -> None:
     _die_with_parent(parent)
+    faulthandler.enable(all_threads=True)  # a crash (SIGSEGV, SIGABRT) prints every thread's stack to stderr
     status, payload = "error", None
     membership = None
     write_whole_lines()
