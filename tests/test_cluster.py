@@ -17,6 +17,7 @@ from hotswitch.switch.cluster import ModelConfig, describe_model, layouts, split
 from hotswitch.switch.planner import ALGORITHMS, TensorMove, plan_switch
 from hotswitch.switch.simulate import compare_algorithms, gpu_cluster, simulate
 from tests import reference_planner
+from tests.distributed import scaled
 
 # ---------------------------------------------------------------- model descriptions
 
@@ -334,7 +335,7 @@ def test_simulation_of_big_switches(model, src, dst):
     results = compare_algorithms(moves, gpu_cluster(1024))
     for algorithm, (plan, sim) in results.items():
         assert sim.seconds >= plan.lower_bound_seconds > 0, algorithm
-        assert plan.planning_seconds < 5, (algorithm, plan.planning_seconds)  # < 2 s measured; margin for load
+        assert plan.planning_seconds < scaled(5), (algorithm, plan.planning_seconds)  # < 2 s measured; margin for load
     greedy = results["greedy"][1]
     assert greedy.seconds <= min(s.seconds for _, s in results.values())
     assert results["gather"][1].seconds > 10 * greedy.seconds
@@ -378,7 +379,7 @@ def test_cli_plan_json_175b(capsys):
     assert out["estimated_seconds"] >= out["lower_bound_seconds"] > 0
     print(f"\nhotswitch plan 175B/1024: plan_seconds {out['plan_seconds']:.3f} s, "
           f"whole command in-process {wall:.2f} s")
-    assert out["plan_seconds"] < 5  # the issue requires < 2 s (measured about 0.1 s); margin for a loaded machine
+    assert out["plan_seconds"] < scaled(5)  # the issue requires < 2 s (measured about 0.1 s); margin for load
 
 
 def test_cli_plan_table_and_plot(capsys, tmp_path):

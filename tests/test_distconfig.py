@@ -25,6 +25,7 @@ from hotswitch.distconfig import (
     parse_configs,
     to_torch,
 )
+from tests.distributed import scaled
 
 # ---------------------------------------------------------------- placements
 
@@ -208,7 +209,7 @@ def test_layout_boxes_fast_for_1024_devices():
     start = time.perf_counter()
     for rows in range(1000, 1100):  # 100 parameters
         boxes = Layout((rows, 12288), mesh, (Replicate(), Shard(0), Replicate(), Shard(1))).boxes()
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < scaled(2.0)  # a guard against a complexity regression
     assert boxes.shape == (1024, 2, 2) and not boxes.flags.writeable
 
 

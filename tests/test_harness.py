@@ -197,9 +197,9 @@ def check_hang_on_rank_0():
 
 
 def test_crashed_rank_ends_the_run_with_its_exit_code():
-    t = time.monotonic()
+    # the errors say what ended the run (the exit, not the 60 s timeout); no wall-clock bound here: this
+    # process may wait for the run lock (tests/conftest.py) as long as another module's run takes
     res = run_checks(2, [check_all_reduce, check_crash_on_rank_1, check_after_failures], timeout=60)
-    assert time.monotonic() - t < 30
     assert [v.item() for v in res["check_all_reduce"].raise_if_failed()] == [3.0, 3.0]
     crash = res["check_crash_on_rank_1"]
     assert crash.failed_ranks == [1] and crash.errors[0] is None
@@ -210,10 +210,8 @@ def test_crashed_rank_ends_the_run_with_its_exit_code():
 
 
 def test_hung_check_ends_the_run_at_check_timeout():
-    t = time.monotonic()
     checks = [check_all_reduce, check_hang_on_rank_0, check_after_failures]  # the first syncs the ranks
-    res = run_checks(2, checks, timeout=60, check_timeout=1)
-    assert time.monotonic() - t < 30
+    res = run_checks(2, checks, timeout=60, check_timeout=1)  # the error names check_timeout, not the 60 s
     res["check_all_reduce"].raise_if_failed()
     hang = res["check_hang_on_rank_0"]
     assert hang.failed_ranks == [0] and hang.errors[1] is None

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from hotswitch.distconfig import DistConfig, Layout, Mesh, Partial, Replicate, Shard, Topology
 from hotswitch.switch.cluster import switch_moves
 from hotswitch.switch.planner import ALGORITHMS, PlanCache, SwitchPlan, TensorMove, Transfer, plan_switch
+from tests.distributed import scaled
 
 NUM_DEVICES = 16
 
@@ -321,7 +322,7 @@ def test_gpt3_175b_switch_plans_in_seconds():
           f"{plan.bytes_moved / 1e9:.1f} GB moved ({plan.inter_node_bytes / 1e9:.1f} GB inter-node), "
           f"est {plan.estimated_seconds:.3f} s vs bound {plan.lower_bound_seconds:.3f} s")
     assert 170e9 < params < 180e9
-    assert seconds < 10
+    assert seconds < scaled(10)  # planned in about 0.1 s: a guard against a complexity regression
     assert plan.bytes_moved == plan.lower_bound_bytes
     assert plan.estimated_seconds >= plan.lower_bound_seconds
     # tp 8 -> 4 keeps every receiver's data on its own node: nothing crosses nodes
