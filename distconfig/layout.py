@@ -36,6 +36,7 @@ class Layout:
     mesh: Mesh
     placements: tuple[Placement, ...]
     _boxes: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
+    _box_of: dict | None = field(default=None, init=False, repr=False, compare=False)  # device -> box(device)
 
     def __post_init__(self) -> None:
         shape = tuple(self.global_shape)
@@ -87,9 +88,13 @@ class Layout:
         return self._boxes
 
     def box(self, device: int) -> Box:
-        """The device's [start, stop) per tensor dim."""
-        row = self.boxes()[self.mesh.position(device)]
-        return tuple((int(a), int(b)) for a, b in row)
+        """The device's [start, stop) per tensor dim (memoized: executing a switch asks for it per slice)."""
+        if self._box_of is None:
+            object.__setattr__(self, "_box_of", {})
+        box = self._box_of.get(device)
+        if box is None:
+            box = self._box_of[device] = tuple(map(tuple, self.boxes()[self.mesh.position(device)].tolist()))
+        return box
 
     def local_shape(self, device: int) -> tuple[int, ...]:
         return tuple(b - a for a, b in self.box(device))

@@ -214,6 +214,9 @@ class SwitchPlan:
     lower_bound_seconds: float
     estimated_seconds: float
     planning_seconds: float = 0.0
+    # per (query, device, stage): the Transfer lists `by_peer`, `receives`, `local_copies_of` built once, as
+    # a cached plan is executed at every switch (callers only read them)
+    _per_device: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def send_bytes(self) -> np.ndarray:
@@ -256,17 +259,26 @@ class SwitchPlan:
         The receiver's `receives(peer, stage)[device]` lists the same transfers in the same order, so
         one packed buffer per peer lines up on both sides.
         """
-        rows = self._rows(self.relay_array if stage else self.transfer_array, "src", device)
-        return self._group(rows, "dst")
+        key = ("by_peer", device, stage)
+        if key not in self._per_device:
+            rows = self._rows(self.relay_array if stage else self.transfer_array, "src", device)
+            self._per_device[key] = self._group(rows, "dst")
+        return self._per_device[key]
 
     def receives(self, device: int, stage: int = 0) -> dict[int, list[Transfer]]:
         """What `device` receives in `stage`, per sending peer (ascending), in the sender's packing order."""
-        rows = self._by_dst[stage]
-        lo, hi = np.searchsorted(rows["dst"], [device, device + 1])
-        return self._group(rows[lo:hi], "src")
+        key = ("receives", device, stage)
+        if key not in self._per_device:
+            rows = self._by_dst[stage]
+            lo, hi = np.searchsorted(rows["dst"], [device, device + 1])
+            self._per_device[key] = self._group(rows[lo:hi], "src")
+        return self._per_device[key]
 
     def local_copies_of(self, device: int) -> list[Transfer]:
-        return list(self._build(self._rows(self.local_copy_array, "dst", device)))
+        key = ("local", device, 0)
+        if key not in self._per_device:
+            self._per_device[key] = list(self._build(self._rows(self.local_copy_array, "dst", device)))
+        return self._per_device[key]
 
     def summary(self) -> dict:
         """JSON-friendly numbers."""
