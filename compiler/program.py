@@ -31,6 +31,7 @@ import torch.fx as fx
 from . import _dtensor as dt
 from ._torch import pytree
 from .cache import CompileCache
+from .garbage import collector_paused
 from .logic_io import dumps_program, loads_program
 from .lower import (
     BUCKET_BYTES,
@@ -149,6 +150,7 @@ def _plan_redistributions(plan, output_specs: list) -> tuple:
     return tuple(zip(reduced, plan.param_specs))
 
 
+@collector_paused()
 def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buffers: list[torch.Tensor],
                   local_shapes: tuple, input_dtypes: list[torch.dtype], *, train: bool, reduce: bool = False,
                   strict: bool = True, memo: dict | None = None, decided: ShardingDecisions | None = None,

@@ -34,6 +34,7 @@ from ._torch import (
     is_mutable,
     pytree,
 )
+from .garbage import collector_paused
 from .signature import InputError, LossModule, ModelCall
 
 aten = torch.ops.aten
@@ -297,6 +298,7 @@ def _split_loss(gm: fx.GraphModule, param_nodes: set[fx.Node]) -> bool:
     return False
 
 
+@collector_paused()
 def trace(
     model: torch.nn.Module, example_inputs, dynamic_dims: dict[int, tuple[int, ...]] | None = None
 ) -> LogicGraph:

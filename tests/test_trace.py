@@ -173,3 +173,23 @@ def test_a_loaded_logic_graph_is_the_traced_one(which, request):
     ids = torch.randint(0, 1001, (2, 9))
     expected, got = lg.joint(params, buffers, [ids, ids]), loaded.joint(params, buffers, [ids, ids])
     assert len(expected) == len(got) and all(torch.equal(e, g) for e, g in zip(expected, got))
+
+
+def test_tracing_pauses_the_garbage_collector_and_restores_it(monkeypatch):
+    """Full collections walk every live object and tracing makes millions (compiler.garbage): the
+    collector is off while a model is traced, and as it was afterwards (on, or left off by the caller)."""
+    import gc
+
+    from hotswitch.compiler import trace as trace_module
+
+    seen, make_joint = [], trace_module._make_joint
+    monkeypatch.setattr(trace_module, "_make_joint", lambda *a: (seen.append(gc.isenabled()), make_joint(*a))[1])
+    assert gc.isenabled()
+    trace(build_model("gpt-tiny", vocab_size=1001), (IDS, IDS))
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        trace(build_model("gpt-tiny", vocab_size=1001), (IDS, IDS))
+        assert seen == [False, False] and not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from hotswitch.compiler import _dtensor as dt
 from hotswitch.compiler.cache import default_cache
+from hotswitch.compiler.garbage import collector_paused
 from hotswitch.compiler.lower import ShardingDecisions
 from hotswitch.compiler.program import StageMesh, StageProgram, lower_program
 from hotswitch.compiler.signature import ModelCall
@@ -800,6 +801,7 @@ class CompiledModel:
                      else (_split_size(s[0], dp, index), *s[1:])
                      for s, along_seq in zip(shapes, self._sequence_inputs))
 
+    @collector_paused()  # a lowering, or loading one from the cache (see compiler.garbage)
     def _program(self, st: ConfigState, local_shapes: tuple, *, train: bool, reduce: bool) -> StageProgram:
         """This rank's lowered programs for local (micro-)batches of `local_shapes`, lowered on first
         use and cached: the whole model with the DP reduction inside (`reduce`, pp = 1) or this rank's
@@ -933,6 +935,7 @@ def _cp_tokens(layout: str, document_ids: torch.Tensor, cp: int, rank: int) -> t
     return torch.tensor(sorted(tokens) if layout == "zigzag" else tokens)  # zigzag: row by row
 
 
+@collector_paused()  # tracing and lowering (see compiler.garbage)
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
             topology: Topology | None = None, lazy: bool = False, progress=None,
             logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager") -> CompiledModel:
