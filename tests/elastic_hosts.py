@@ -10,12 +10,15 @@ step for the test's key "test/go/<step>". A gate also opens when a newer generat
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -27,6 +30,26 @@ from hotswitch.distconfig import DistConfig
 BATCH, NPROC, LR = 8, 2, 1e-3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEADLINE_S = 300 * float(os.environ.get("HOTSWITCH_TEST_TIMEOUT_SCALE", "1"))  # a hang fails, never a slow run
+
+
+@contextlib.contextmanager
+def workers_aborted_after(seconds: float = DEADLINE_S):
+    """A job run in this process (`run_elastic`) that hangs becomes a failure that shows where: after
+    `seconds`, every worker this process spawned gets SIGABRT, so faulthandler prints its threads'
+    stacks (to the test's captured stderr) and the agent reports the workers' deaths."""
+    def abort() -> None:
+        for p in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGABRT)
+            time.sleep(0.5)  # one worker's stacks at a time, not interleaved
+
+    timer = threading.Timer(seconds, abort)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def configs(n: int) -> list[DistConfig]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -92,7 +93,7 @@ def _worker(membership, checkpoint_dir):
     job = ElasticJob(membership, _build, configs, batch, trainer_options=dict(optimizer=dict(name="adamw", lr=LR),
                                                                              buckets=(64,)),
                      checkpoint_dir=checkpoint_dir, checkpoint_every=2, step_timeout_s=TIMEOUT_S,
-                     log=print if os.environ.get("HS_DEBUG") else None)
+                     log=lambda m: print(m, file=sys.stderr, flush=True))  # shown when a test fails
     result = job.run(STEPS)
     final = job.trainer.full_job_state() if job.trainer is not None else None
     if result is not None:
@@ -103,10 +104,16 @@ def _worker(membership, checkpoint_dir):
 @pytest.fixture(scope="module")
 def faults(tmp_path_factory):
     from hotswitch.elastic.membership import run_elastic
+    from tests.elastic_hosts import workers_aborted_after
 
     log: list[str] = []
-    result = run_elastic(_worker, 4, str(tmp_path_factory.mktemp("ckpt")), min_size=1, max_size=4, log=log.append,
-                         heartbeat_timeout_s=TIMEOUT_S)
+    try:
+        with workers_aborted_after():
+            result = run_elastic(_worker, 4, str(tmp_path_factory.mktemp("ckpt")), min_size=1, max_size=4,
+                                 log=log.append, heartbeat_timeout_s=TIMEOUT_S)
+    except BaseException:
+        print("the agent's log:", *log, sep="\n", file=sys.stderr)
+        raise
     return result, log
 
 

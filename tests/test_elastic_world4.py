@@ -119,6 +119,7 @@ def _wait_for_checkpoint(directory: str, step: int) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     from hotswitch.elastic.membership import run_elastic
+    from tests.elastic_hosts import workers_aborted_after
 
     out = {}
     for name, world, rule, events, kill in [
@@ -133,8 +134,9 @@ def runs(tmp_path_factory):
             log.append(message)
             _test_log(message)
 
-        out[name] = run_elastic(_worker, world, rule, events, kill, str(ckpt), str(snaps), min_size=2, max_size=4,
-                                log=agent_log)
+        with workers_aborted_after():
+            out[name] = run_elastic(_worker, world, rule, events, kill, str(ckpt), str(snaps), min_size=2,
+                                    max_size=4, log=agent_log)
         out[name]["log"] = log
         out[name]["snapshots"] = {f.stem: torch.load(f) for f in snaps.glob("*.pt")}
     return out

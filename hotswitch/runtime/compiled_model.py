@@ -935,7 +935,6 @@ def _cp_tokens(layout: str, document_ids: torch.Tensor, cp: int, rank: int) -> t
     return torch.tensor(sorted(tokens) if layout == "zigzag" else tokens)  # zigzag: row by row
 
 
-@collector_paused()  # tracing and lowering (see compiler.garbage)
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
             topology: Topology | None = None, lazy: bool = False, progress=None,
             logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager") -> CompiledModel:

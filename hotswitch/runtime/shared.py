@@ -18,6 +18,7 @@ import torch
 
 from hotswitch.compiler.cache import CompileCache
 from hotswitch.compiler.fingerprint import model_fingerprint
+from hotswitch.compiler.garbage import collector_paused
 from hotswitch.compiler.logic_io import dumps_logic, loads_logic
 from hotswitch.compiler.trace import LogicGraph, trace
 from hotswitch.distributed import _c10d
@@ -66,6 +67,7 @@ class JobOnce:
         self.publish(key, _FAILED)
 
 
+@collector_paused()  # tracing, or decoding a traced graph (see compiler.garbage)
 def trace_once(model: torch.nn.Module, example_inputs, cache: SharedCache) -> tuple[LogicGraph, str]:
     """`model`'s LogicGraph and where it came from: "loaded" (the compile cache, or another rank of
     this job, traced it) or "traced" (this rank did, and published it). The key is the model's
