@@ -52,3 +52,33 @@ def test_hosts_topology_from_worker_ids():
     assert hosts_topology(["a0w0", "a0w1", "a1w0", "a1w1"]) == Topology(4, 2)
     assert hosts_topology(["w0", "w1", "w2"]) == Topology(3, 3)  # one host
     assert hosts_topology(["a0w0", "a1w0", "a1w1"]) == Topology(3, 3)  # unequal hosts: one node
+
+
+def test_a_worker_whose_pipe_closed_before_it_was_reaped_counts_as_dead():
+    """A killed worker's pipe can close before its process is reaped. The agent once took deaths only
+    from ready sentinels, and `exitcode` had reaped this one first (its sentinel is never ready then):
+    the death was never seen, and the survivors waited at a commit for it forever (a hung suite run)."""
+    import multiprocessing
+
+    from hotswitch.elastic.membership import _Worker
+
+    closed, write_end = multiprocessing.Pipe(duplex=False)
+    write_end.close()  # the dead worker's end: reading gives EOF
+    result, result_end = multiprocessing.Pipe(duplex=False)
+    result_end.send(("left", None))  # a worker that left the job, then exited: not a death
+    never_ready = [multiprocessing.Pipe(duplex=False) for _ in range(2)]  # (read end, write end kept open)
+
+    class Reaped:  # exitcode known (reaped already): its sentinel is never ready
+        exitcode = -9
+
+        def __init__(self, sentinel) -> None:
+            self.sentinel = sentinel
+
+        def join(self) -> None:
+            pass
+
+    agent = _agent(dist.HashStore(), "")
+    agent.workers = {"w1": _Worker("w1", Reaped(never_ready[0][0]), closed),
+                     "w2": _Worker("w2", Reaped(never_ready[1][0]), result)}
+    assert agent.poll_workers(0.01) is None
+    assert agent.dead == {"w1"} and agent.workers["w2"].done

@@ -467,29 +467,36 @@ class _Agent:
                 return failure
 
     def poll_workers(self, poll_s: float) -> str | None:
-        readers = {w.reader: w for w in self.workers.values() if not w.done and not w.silent}
-        sentinels = {w.process.sentinel: w for w in self.workers.values() if w.process.exitcode is None}
-        ready = connection.wait([*readers, *sentinels], timeout=poll_s)
-        for r in ready:
-            if r in readers:
-                w = readers[r]
+        """Wait up to `poll_s` for a worker's result or death, then take in every result and every death.
+
+        A death is read from the exit code, whatever woke the wait: a worker's pipe can close before its
+        process is reaped, and `exitcode` reaps it, so a death seen only through the sentinel's readiness
+        could be missed for good (the job then hung: survivors waited at a commit for a dead peer and no
+        generation came). The exit code is read before the pipe, so a worker that sent its result and
+        exited is never taken for dead."""
+        readers = [w.reader for w in self.workers.values() if not w.done and not w.silent]
+        sentinels = [w.process.sentinel for w in self.workers.values() if not w.done and w.wid not in self.dead]
+        connection.wait([*readers, *sentinels], timeout=poll_s)
+        for w in self.workers.values():
+            if w.done or w.wid in self.dead:
+                continue
+            exited = w.process.exitcode is not None  # before the pipe: all it sent is in there by now
+            if not w.silent and w.reader.poll():
                 try:
-                    status, payload = r.recv()
+                    status, payload = w.reader.recv()
                 except (EOFError, OSError):
-                    w.silent = True  # died without a result: its sentinel reports it
+                    w.silent = True  # died without a result
+                else:
+                    w.done = True
+                    if status == "error":  # a fenced worker is dead already: its last words do not count
+                        return f"worker {w.wid} failed:\n{payload}"
+                    if status == "result":
+                        self.result, self.finished = pickle.loads(payload), True
+                        self.store.set("elastic/finished", self.aid or "-")
                     continue
-                w.done = True
-                if status == "error" and w.wid not in self.dead:  # a fenced worker's last words do not count
-                    return f"worker {w.wid} failed:\n{payload}"
-                if status == "result":
-                    self.result, self.finished = pickle.loads(payload), True
-                    self.store.set("elastic/finished", self.aid or "-")
-        for r in ready:
-            if r in sentinels:
-                w = sentinels[r]
+            if exited:
                 w.process.join()
-                if not w.done:
-                    self.dead.add(w.wid)
+                self.dead.add(w.wid)
         return None
 
 
