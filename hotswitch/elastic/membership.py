@@ -434,7 +434,8 @@ class _Agent:
         """Until the job finishes (or fails): the failure message or None."""
         checked = time.monotonic()
         while True:
-            if any(w.process.exitcode is None for w in self.workers.values()):
+            if any(w.process.exitcode is None or not (w.done or w.wid in self.dead)  # running, or its end unseen
+                   for w in self.workers.values()):
                 failure = self.poll_workers(poll_s)
             else:
                 if self.rendezvous is None or self.store.check(["elastic/finished"]):
