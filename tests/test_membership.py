@@ -82,3 +82,22 @@ def test_a_worker_whose_pipe_closed_before_it_was_reaped_counts_as_dead():
                      "w2": _Worker("w2", Reaped(never_ready[1][0]), result)}
     assert agent.poll_workers(0.01) is None
     assert agent.dead == {"w1"} and agent.workers["w2"].done
+
+
+def test_a_store_wait_for_a_peer_that_never_comes_ends_naming_it():
+    """Barriers and commits are bounded as collectives are: a peer that neither arrives nor is declared
+    lost ends the wait with an error naming it, never an endless wait."""
+    import datetime
+
+    import pytest
+
+    from hotswitch.elastic.membership import Membership
+
+    m = Membership("w0", dist.HashStore(), 1, 2, backend="gloo")
+    m.record, m.job_members = GenerationRecord(0, ("w0", "w1"), ("w0", "w1")), ("w0", "w1")
+    m.wait_timeout = datetime.timedelta(seconds=0.1)
+    with pytest.raises(TimeoutError, match=r"w0 waited \d+ s at 'g0/init' of generation 0 for w1, which neither"):
+        m.barrier("g0/init")
+    with pytest.raises(TimeoutError, match="at 's0/update' of generation 0 for w1"):
+        m.agree_to_commit("s0/update")
+    assert m.decide_abort("s0/update") is False  # nothing was decided: the recovery decides abort

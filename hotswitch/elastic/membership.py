@@ -600,6 +600,7 @@ class Membership:
         self._pg_name = ""
         self._watch_store = None  # the peer watch's own store client, made once (see watch_peers)
         self.init_timeout = LONG_TIMEOUT  # how long forming a group waits for a member (ElasticJob: its step timeout)
+        self.wait_timeout = LONG_TIMEOUT  # how long a store barrier or commit waits, as a collective may
 
     # -- generations
     @property
@@ -717,10 +718,11 @@ class Membership:
         it would run on while its members are alive, e.g. after a scale-out was published)."""
         if self.newer_published():
             raise MembershipChanged(f"generation {self.generation + 1} published before {tag!r}")
-        keys = self._arrive(tag, members)
+        keys, since = self._arrive(tag, members), time.monotonic()
         while not self.store.check(keys):
             if self.newer_published():
                 raise MembershipChanged(f"generation {self.generation + 1} published while waiting at {tag!r}")
+            self._check_overdue(tag, keys, since)
             time.sleep(poll_s)
 
     def agree_to_commit(self, tag: str, members: tuple[str, ...] | None = None, poll_s: float = 0.005) -> None:
@@ -728,7 +730,7 @@ class Membership:
         worker arrived), raise MembershipChanged if it was decided "abort" (a newer generation was
         published first). The first decision, set atomically in the store, binds every worker.
         `members`: who must arrive (default the job's workers)."""
-        keys = self._arrive(tag, members)
+        keys, since = self._arrive(tag, members), time.monotonic()
         decision_key = f"elastic/g{self.generation}/{tag}/decision"
         while True:
             if self.store.check(keys):
@@ -736,6 +738,7 @@ class Membership:
             elif self.newer_published():
                 decision = self.store.compare_set(decision_key, "", "abort")
             else:
+                self._check_overdue(tag, keys, since)
                 time.sleep(poll_s)
                 continue
             if decision == b"commit":
@@ -746,6 +749,16 @@ class Membership:
         """After a failure: True if `tag` was committed (by everyone's arrival), else decide abort."""
         key = f"elastic/g{self.generation}/{tag}/decision"
         return self.store.compare_set(key, "", "abort") == b"commit"
+
+    def _check_overdue(self, tag: str, keys: list[str], since: float) -> None:
+        """A store wait is bounded as a collective is (`wait_timeout`): a peer that neither arrives nor is
+        declared lost (hung with its heartbeat still beating, or lost by the agent) ends it with an error
+        that names the peer; the job then recovers if a generation comes, or stops with that error."""
+        waited = time.monotonic() - since
+        if waited > self.wait_timeout.total_seconds():
+            missing = [k.rpartition("/")[2] for k in keys if not self.store.check([k])]
+            raise TimeoutError(f"{self.wid} waited {waited:.0f} s at {tag!r} of generation {self.generation} for "
+                               f"{', '.join(missing)}, which neither arrived nor was declared lost")
 
     def _arrive(self, tag: str, members: tuple[str, ...] | None = None) -> list[str]:
         base = f"elastic/g{self.generation}/{tag}"
