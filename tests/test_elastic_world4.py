@@ -70,7 +70,7 @@ def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
     def batch(step):
         if kill is not None and (membership.wid, step) == kill:  # die in the middle of this step
             _wait_for_checkpoint(checkpoint_dir, step)
-            _test_log(f"[{membership.wid}] dies in 0.15 s; complete: {_complete_checkpoints(checkpoint_dir)}")
+            _test_log(f"[{membership.wid}] dies in 0.15 s; latest complete checkpoint: {_latest(checkpoint_dir)}")
             threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGKILL)).start()
         ids = order.batch(step)
         return ids, [dataset[i] for i in ids]
@@ -92,25 +92,25 @@ def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
     return result
 
 
-def _complete_checkpoints(directory: str) -> list[str]:
+def _latest(directory: str) -> str | None:
     from hotswitch.elastic import checkpoint as ckpt
 
-    return [os.path.basename(p) for p in ckpt.list_checkpoints(directory)
-            if os.path.isfile(os.path.join(p, ckpt.MANIFEST))]
+    latest = ckpt.latest(directory)  # complete ones only
+    return None if latest is None else os.path.basename(latest)
 
 
 def _wait_for_checkpoint(directory: str, step: int) -> None:
     """Block until the asynchronous checkpoint of `step` is complete (manifest written), so that the
     test's failure finds it whatever the machine's load: the save runs in background threads, which
-    this wait does not hold up. Bounded by HOTSWITCH_TEST_TIMEOUT_SCALE x 300 s."""
+    this wait does not hold up. Bounded by the elastic tests' deadline (HOTSWITCH_TEST_TIMEOUT_SCALE)."""
     import time
 
-    from hotswitch.elastic import checkpoint as ckpt
+    from tests.elastic_hosts import DEADLINE_S
 
-    deadline = time.monotonic() + 300 * float(os.environ.get("HOTSWITCH_TEST_TIMEOUT_SCALE", "1"))
+    deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
-        latest = ckpt.latest(directory)  # complete ones only: named step-<step>
-        if latest is not None and int(os.path.basename(latest).rpartition("-")[2]) >= step:
+        latest = _latest(directory)  # named step-<step>
+        if latest is not None and int(latest.rpartition("-")[2]) >= step:
             return
         time.sleep(0.05)
     raise TimeoutError(f"the checkpoint of step {step} in {directory} was not complete after the deadline")

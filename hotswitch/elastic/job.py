@@ -467,9 +467,14 @@ class ElasticJob:
             self.on_change("after", self)
         return True
 
-    def _base(self, configs: list[DistConfig]) -> str:
+    def _fixed_base(self, configs: list[DistConfig]) -> str | None:
+        """The user's `base`, when it is among these configs (the Trainer then never moves it)."""
         base = self.trainer_options.get("base")
-        return base if base in [c.name for c in configs] else default_base(configs).name
+        return base if base in [c.name for c in configs] else None
+
+    def _base(self, configs: list[DistConfig]) -> str:
+        """The config the job state arrives in: the fixed base, else the Trainer's starting one."""
+        return self._fixed_base(configs) or default_base(configs).name
 
     @staticmethod
     def _moves(cm, src_config: DistConfig, src_members, dst_config: DistConfig, job,
@@ -489,9 +494,8 @@ class ElasticJob:
         fixed the base, its first step may move the optimizer to a config the step visits anyway, so that a
         step whose buckets all run under one config switches nothing (elastic moves need ZeRO-1 off)."""
         self._model = model
-        options = dict(self.trainer_options, zero1=False)
-        options["base"] = options.get("base") if options.get("base") in [c.name for c in configs] else None
-        options["topology"] = hosts_topology(self.membership.job_members[:configs[0].world_size])
+        options = dict(self.trainer_options, zero1=False, base=self._fixed_base(configs),
+                       topology=hosts_topology(self.membership.job_members[:configs[0].world_size]))
         trainer = Trainer(model, configs, logic=logic, **options)
         assert trainer.base == self._base(configs), (trainer.base, self._base(configs))
         trainer.on_phase = self._on_phase
