@@ -762,6 +762,7 @@ def lower(
     bucket_bytes: int = BUCKET_BYTES,
     device: torch.device | None = None,
     traced: dict | None = None,
+    reduce_early: bool = False,
 ) -> fx.GraphModule:
     """Build this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
 
@@ -770,7 +771,9 @@ def lower(
     LogicGraph's factory ops (masks, positions, zeros) were traced on the model's device and are
     placed there instead. `local_inputs`: examples of this rank's inputs (only their shapes, strides,
     dtypes and device are read). `traced`: a dict the caller owns (one per config, say) that keeps
-    the redistributions traced here for its later programs.
+    the redistributions traced here for its later programs. The collectives wait where their result
+    is read (`wait_where_read`) and, with `reduce_early`, the gradient buckets are reduced behind the
+    backward (`issue_reductions_early`): both edit the graph before its GraphModule writes the code, once.
     """
     decisions = sharding.decisions
     on_device = placed_on(device)
@@ -827,6 +830,9 @@ def lower(
             if d.reduce_to is not None:
                 out = program.redistribute(out, d.out_spec, d.reduce_to, node)
             env[node] = out
+    if reduce_early:
+        issue_reductions_early(program.graph)
+    wait_where_read(program.graph)
     return program.module()
 
 
@@ -1001,14 +1007,15 @@ def collectives(gm: fx.GraphModule, phase: str | None = None) -> list[fx.Node]:
             and (phase is None or n.meta.get("custom", {}).get("phase") == phase)]
 
 
-def issue_reductions_early(gm: fx.GraphModule) -> int:
+def issue_reductions_early(graph: fx.Graph) -> int:
     """DDP's overlap, in the graph: each gradient bucket's all-reduce, with the concatenation and
     views that pack it, moves to right after the last value it carries is computed. It then runs
     on the process group's side (gloo's thread, NCCL's stream) while the backward goes on; its wait
     stays where the result is first read, at the end. Returns how many all-reduces moved. Ranks of
-    a group run alike graphs, so they still issue their collectives in one order."""
+    a group run alike graphs, so they still issue their collectives in one order. Edits `graph` (a
+    GraphModule owning it writes its code again on `recompile()`)."""
     moved = 0
-    for node in [n for n in gm.graph.nodes if _is_reduce_phase(n) and _is_collective(n)
+    for node in [n for n in graph.nodes if _is_reduce_phase(n) and _is_collective(n)
                  and collective_kind(n) == "all_reduce"]:
         chain, stack = set(), [node]
         while stack:  # the node and the packing ops feeding it (never a wait: that would block early)
@@ -1018,7 +1025,7 @@ def issue_reductions_early(gm: fx.GraphModule) -> int:
             chain.add(n)
             stack += [a for a in n.all_input_nodes if a.op == "call_function" and _is_reduce_phase(a)
                       and not _is_collective(a) and not _is_wait(a)]
-        position = {n: i for i, n in enumerate(gm.graph.nodes)}
+        position = {n: i for i, n in enumerate(graph.nodes)}
         anchor = max((a for c in chain for a in c.all_input_nodes if a not in chain), key=position.__getitem__)
         ordered = sorted(chain, key=position.__getitem__)
         if position[anchor] + 1 == position[ordered[0]] and all(
@@ -1028,27 +1035,24 @@ def issue_reductions_early(gm: fx.GraphModule) -> int:
             anchor.append(c)
             anchor = c
         moved += 1
-    if moved:
-        gm.recompile()
     return moved
 
 
-def wait_where_read(gm: fx.GraphModule) -> int:
+def wait_where_read(graph: fx.Graph) -> int:
     """Each collective's wait moves down to right before the first op that reads its result: a
     traced redistribution waits at once, so nothing ran while the collective was in flight. Now what
     does not need the result (a weight's gradient while its input's gradient is all-reduced, as
-    Megatron overlaps them) runs before the wait. Issue order is untouched. Returns how many moved."""
+    Megatron overlaps them) runs before the wait. Issue order is untouched. Returns how many moved.
+    Edits `graph`, as `issue_reductions_early` does."""
     moved = 0
-    position = {n: i for i, n in enumerate(gm.graph.nodes)}
-    for node in [n for n in gm.graph.nodes if _is_wait(n)]:
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    for node in [n for n in graph.nodes if _is_wait(n)]:
         if not node.users:
             continue
         first = min(node.users, key=position.__getitem__)
         if position[first] > position[node] + 1:
             first.prepend(node)
             moved += 1
-    if moved:
-        gm.recompile()
     return moved
 
 

@@ -38,11 +38,9 @@ from .lower import (
     OutputPlan,
     ShardingDecisions,
     StageOutputPlan,
-    issue_reductions_early,
     lower,
     propagate_graph,
     reads_coordinate,
-    wait_where_read,
 )
 from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
@@ -299,11 +297,9 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 shared = None  # nothing to publish: another rank (or an earlier process) lowered it
         if gm is None:
             try:
+                # with the DP reduction inside, its buckets reduced behind the rest of the backward
                 gm = lower(graph, sharding, local, plan, mesh, device=where.device,
-                           traced=None if memo is None else memo.setdefault("traced", {}))
-                if reduce:
-                    issue_reductions_early(gm)  # the gradient buckets reduced behind the rest of the backward
-                wait_where_read(gm)  # collectives in flight while what does not need them computes
+                           traced=None if memo is None else memo.setdefault("traced", {}), reduce_early=reduce)
             except BaseException:
                 if shared is not None:
                     cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)

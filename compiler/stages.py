@@ -53,12 +53,9 @@ from hotswitch.distconfig import balanced_split
 from ._torch import OpOverload, detect_fake_mode, is_mutable, pytree, size_hint
 from .trace import (
     LogicGraph,
-    _cse,
-    _drop_identity_slices,
-    _fold_static_sizes,
     _no_duck_sizing,
-    _normalize_reduce_dims,
     decomposition_table,
+    tidy_joint,
 )
 
 aten = torch.ops.aten
@@ -285,10 +282,8 @@ def _stage_graph(part: _Partition, s: int, stage: dict[fx.Node, int], acts_in, a
         else:
             env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[n] for n in wanted))
-    gm = fx.GraphModule(logic.forward, g)
-    gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+    g.eliminate_dead_code()
+    return fx.GraphModule(logic.forward, g)  # writes the code, once
 
 
 def _size_node(g: fx.Graph, part: _Partition, node: fx.Node, env) -> fx.Node:
@@ -380,10 +375,7 @@ def stage_joint(logic: LogicGraph, stage: Stage) -> fx.GraphModule:
             gm = make_fx(functional, tracing_mode="fake")(
                 plain, list(buffers), list(inputs), [a.detach() for a in acts], grads_out
             )
-    _drop_identity_slices(gm)
-    _fold_static_sizes(gm, n_p + n_b)
-    gm = _cse(gm)
-    _normalize_reduce_dims(gm)
+    gm = tidy_joint(gm, n_p + n_b)
     stage.joint = gm
     return gm
 
@@ -423,9 +415,8 @@ def split_forward_backward(gm: fx.GraphModule, num_seeds: int, forward_outputs: 
             continue
         env[n] = fwd_graph.node_copy(n, lambda a: env[a])
     fwd_graph.output(tuple([_arg(leaves[i], env) for i in forward_outputs] + [env[n] for n in saved]))
+    fwd_graph.eliminate_dead_code()
     fwd = fx.GraphModule(gm, fwd_graph)
-    fwd.graph.eliminate_dead_code()
-    fwd.recompile()
 
     bwd_graph, benv = fx.Graph(), {}
     for n in saved:
@@ -438,9 +429,8 @@ def split_forward_backward(gm: fx.GraphModule, num_seeds: int, forward_outputs: 
         elif n in back:
             benv[n] = bwd_graph.node_copy(n, lambda a: benv[a])
     bwd_graph.output(tuple(_arg(leaves[i], benv) for i in backward_idx))
+    bwd_graph.eliminate_dead_code()
     bwd = fx.GraphModule(gm, bwd_graph)
-    bwd.graph.eliminate_dead_code()
-    bwd.recompile()
     return fwd, bwd, len(saved)
 
 

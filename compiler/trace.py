@@ -65,7 +65,6 @@ def _constant_pads(gm: fx.GraphModule) -> None:
             if args.get("mode", "constant") == "constant":
                 node.target = _constant_pad
                 node.args, node.kwargs = (args["input"], args["pad"], args.get("value")), {}
-    gm.recompile()
 
 
 def _constant_pad(x: torch.Tensor, pad, value=None) -> torch.Tensor:
@@ -167,7 +166,6 @@ def _fold_static_sizes(gm: fx.GraphModule, num_static: int) -> None:
                 user.args = pytree.tree_map(lambda a: value if a is node else a, user.args)
                 user.kwargs = pytree.tree_map(lambda a: value if a is node else a, user.kwargs)
             gm.graph.erase_node(node)
-    gm.recompile()
 
 
 def _cse(gm: fx.GraphModule) -> fx.GraphModule:
@@ -197,7 +195,6 @@ def _cse(gm: fx.GraphModule) -> fx.GraphModule:
             gm.graph.erase_node(node)
         else:
             seen[k] = node
-    gm.recompile()
     return gm
 
 
@@ -223,7 +220,6 @@ def _drop_identity_slices(gm: fx.GraphModule) -> None:
                     and dst is not None and src.shape == dst.shape:
                 node.replace_all_uses_with(node.args[1])
     gm.graph.eliminate_dead_code()
-    gm.recompile()
 
 
 def _normalize_reduce_dims(gm: fx.GraphModule) -> None:
@@ -232,7 +228,6 @@ def _normalize_reduce_dims(gm: fx.GraphModule) -> None:
         if node.target in (aten.sum.dim_IntList, aten.mean.dim) and len(node.args) >= 2 and node.args[1] in ([], ()):
             ndim = node.args[0].meta["val"].dim()
             node.args = (node.args[0], list(range(ndim)), *node.args[2:])
-    gm.recompile()
 
 
 def _squeeze_one_dim(gm: fx.GraphModule) -> None:
@@ -245,7 +240,6 @@ def _squeeze_one_dim(gm: fx.GraphModule) -> None:
     for node in gm.graph.nodes:
         if node.target is aten.squeeze.dims and len(node.args) == 2 and len(node.args[1]) == 1:
             node.target, node.args = aten.squeeze.dim, (node.args[0], node.args[1][0])
-    gm.recompile()
 
 
 def _merge_tied(gm: fx.GraphModule, param_names: list[str], aliases: dict[str, str]) -> None:
@@ -263,7 +257,6 @@ def _merge_tied(gm: fx.GraphModule, param_names: list[str], aliases: dict[str, s
         else:  # only the alias was lifted: it becomes the canonical name
             param_names[param_names.index(alias)] = canonical
             placeholders[canonical] = node
-    gm.recompile()
 
 
 def _depends_on(node: fx.Node, sources: set[fx.Node]) -> bool:
@@ -293,7 +286,6 @@ def _split_loss(gm: fx.GraphModule, param_nodes: set[fx.Node]) -> bool:
         if den.meta["val"].dim() == 0 and not _depends_on(den, param_nodes):
             out.args = ((num, den),)
             gm.graph.eliminate_dead_code()
-            gm.recompile()
             return True
     return False
 
@@ -347,11 +339,11 @@ def trace(
     _squeeze_one_dim(fwd)
     placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     split = _split_loss(fwd, set(placeholders[: len(param_names)]))
+    fwd.recompile()  # the passes above edit the graph; its code is written once, here
     params = [state[n].detach() for n in param_names]
     buffers = [state[n].detach() for n in buffer_names]
 
     joint = _make_joint(fwd, len(params), len(buffers))
-    _squeeze_one_dim(joint)  # the joint's trace decomposes squeeze.dim again
     return LogicGraph(
         forward=fwd, joint=joint, param_names=param_names, buffer_names=buffer_names,
         param_shapes={n: p.shape for n, p in zip(param_names, params)},
@@ -495,8 +487,19 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.Gr
             # redistributed copy): trace the joint graph once more, functionalized.
             functional = torch.func.functionalize(gm, remove="mutations")
             gm = make_fx(functional, tracing_mode="fake")([x.detach() for x in p], list(buffers), list(inputs))
+    return tidy_joint(gm, num_params + num_buffers)
+
+
+def tidy_joint(gm: fx.GraphModule, num_static: int) -> fx.GraphModule:
+    """A traced joint graph (a model's or a pipeline stage's) made ready to lower: identity slices
+    dropped, the first `num_static` inputs' (parameters', buffers') sizes folded, common
+    subexpressions merged, reductions' dims spelled out, squeezes DTensor has rules for. The passes
+    edit the graph; its code is written once, at the end (each writing cost a tenth of a second at
+    8 layers)."""
     _drop_identity_slices(gm)
-    _fold_static_sizes(gm, num_params + num_buffers)
+    _fold_static_sizes(gm, num_static)
     gm = _cse(gm)
     _normalize_reduce_dims(gm)
+    _squeeze_one_dim(gm)  # the joint's trace decomposes squeeze.dim again
+    gm.recompile()
     return gm

@@ -143,15 +143,22 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
     the make_fx interpreter of `tests.reference_lowering`. The first difference per program (None:
     the same graph), in the order the programs were lowered."""
     import hotswitch.compiler.program as program
-    from hotswitch.compiler.lower import BUCKET_BYTES
+    from hotswitch.compiler.lower import BUCKET_BYTES, issue_reductions_early, wait_where_read
     from tests.reference_lowering import lower_by_make_fx, same_program
 
     found: list[str | None] = []
     original = program.lower
 
-    def both(graph, sharding, local, plan, mesh, bucket_bytes=BUCKET_BYTES, device=None, traced=None):
-        gm = original(graph, sharding, local, plan, mesh, bucket_bytes, device=device, traced=traced)
-        found.append(same_program(gm, lower_by_make_fx(graph, sharding, local, plan, mesh, bucket_bytes, device)))
+    def both(graph, sharding, local, plan, mesh, bucket_bytes=BUCKET_BYTES, device=None, traced=None,
+             reduce_early=False):
+        gm = original(graph, sharding, local, plan, mesh, bucket_bytes, device=device, traced=traced,
+                      reduce_early=reduce_early)
+        expected = lower_by_make_fx(graph, sharding, local, plan, mesh, bucket_bytes, device)
+        if reduce_early:  # the graph passes `lower` applies, applied to the interpreter's trace alike
+            issue_reductions_early(expected.graph)
+        wait_where_read(expected.graph)
+        expected.recompile()
+        found.append(same_program(gm, expected))
         return gm
 
     os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered here, none loaded
