@@ -7,6 +7,11 @@ whole state) and wait at a gate before each step's batch, so a test decides when
 "scale-out:S" waits at step S for generation 2 (a third host's scale-out); "go" waits before every
 step for the test's key "test/go/<step>". A gate also opens when a newer generation is published
 (there is a change to recover from first).
+
+Rendezvous backends: torch's c10d (a TCPStore served by `hotswitch rendezvous`), or "file", a
+backend torch's registry does not have, registered here as an out-of-tree one would be: torch's own
+dynamic rendezvous (the algorithm behind c10d's and etcd-v2's handlers) on a FileStore, whose store
+hotswitch opens through `register_rendezvous_store`.
 """
 from __future__ import annotations
 
@@ -109,14 +114,48 @@ def worker(membership, checkpoint_dir: str, gate: str, steps: int, step_timeout_
     return result
 
 
+def open_file_store(params):
+    """The "file" backend's store: a FileStore at the endpoint, a path on this machine (module level:
+    the workers import it)."""
+    import torch.distributed as dist
+
+    return dist.FileStore(params.endpoint, -1)
+
+
+def file_rendezvous_handler(params):
+    """The "file" backend's handler: torch's dynamic rendezvous with its store-based backend, on a FileStore."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    class FileRendezvousBackend(C10dRendezvousBackend):
+        @property
+        def name(self) -> str:  # torch checks that a handler's backend is the one asked for
+            return "file"
+
+    store = open_file_store(params)
+    return create_handler(store, FileRendezvousBackend(store, params.run_id), params)
+
+
+def register_file_backend() -> None:
+    """"file" in torch's rendezvous registry (its handler) and in hotswitch's (its store)."""
+    from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+    from hotswitch.elastic import register_rendezvous_store
+
+    rendezvous_handler_registry.register("file", file_rendezvous_handler)
+    register_rendezvous_store("file", open_file_store)
+
+
 def agent_main(endpoint: str, run_id: str, checkpoint_dir: str, out: str, gate: str, steps: int,
-               timeout_s: float) -> None:
+               timeout_s: float, backend: str = "c10d") -> None:
     """One host's agent (run as `python -c`): the same call on every host; the result to `out`."""
     from hotswitch.elastic.membership import Rendezvous, run_elastic
 
+    if backend == "file":
+        register_file_backend()
     result = run_elastic(worker, 4, checkpoint_dir, gate, steps, timeout_s, min_size=1, max_size=4,
                          log=lambda m: print(m, flush=True), heartbeat_timeout_s=timeout_s,
-                         rendezvous=Rendezvous(endpoint, run_id, NPROC, agent_timeout_s=timeout_s))
+                         rendezvous=Rendezvous(endpoint, run_id, NPROC, backend, agent_timeout_s=timeout_s))
     if result is not None:
         torch.save(result, out)
 
@@ -157,23 +196,31 @@ def until(condition: Callable[[], bool], what: str) -> None:
 
 class Cluster:
     """`hotswitch rendezvous` and the agents started on it; `store` reads the job's keys. With `nodes`
-    (an entered `EmulatedNodes`), the rendezvous runs in node 0 and the k-th host started in node k."""
+    (an entered `EmulatedNodes`), the rendezvous runs in node 0 and the k-th host started in node k.
+    With `backend="file"`, the rendezvous is a file in `tmp` instead (no server; one machine only)."""
 
-    def __init__(self, tmp, run_id: str, gate: str, steps: int, timeout_s: float, nodes=None):
+    def __init__(self, tmp, run_id: str, gate: str, steps: int, timeout_s: float, nodes=None,
+                 backend: str = "c10d"):
         import torch.distributed as dist
 
         from hotswitch.distributed.netns import in_namespace
 
         self.tmp, self.run_id, self.gate, self.steps, self.timeout_s = tmp, run_id, gate, steps, timeout_s
-        self.nodes = nodes
-        host = "127.0.0.1" if nodes is None else nodes.address(0)
-        self.server = spawn("-m", "hotswitch.cli", "rendezvous", "--port", "0", "--host", host,
-                            namespace=self._namespace(0))
+        self.nodes, self.backend = nodes, backend
         self.agents: dict[str, subprocess.Popen] = {}
-        port = int(self.server.stdout.readline().split(" --rdzv-endpoint ")[1].rpartition(":")[2])
-        self.endpoint = f"{host}:{port}"
-        with in_namespace(self._namespace(0)):  # the client's socket stays in node 0
-            client = dist.TCPStore(host, port, is_master=False)
+        self.server = None
+        if backend == "file":
+            assert nodes is None, "a FileStore reaches no other node"
+            self.endpoint = str(tmp / "rendezvous.store")
+            client = dist.FileStore(self.endpoint, -1)
+        else:
+            host = "127.0.0.1" if nodes is None else nodes.address(0)
+            self.server = spawn("-m", "hotswitch.cli", "rendezvous", "--port", "0", "--host", host,
+                                namespace=self._namespace(0))
+            port = int(self.server.stdout.readline().split(" --rdzv-endpoint ")[1].rpartition(":")[2])
+            self.endpoint = f"{host}:{port}"
+            with in_namespace(self._namespace(0)):  # the client's socket stays in node 0
+                client = dist.TCPStore(host, port, is_master=False)
         self.store = dist.PrefixStore(f"hotswitch/{run_id}", client)
 
     def _namespace(self, node: int) -> str | None:
@@ -189,7 +236,7 @@ class Cluster:
     def start(self, name: str) -> None:
         code = (f"from tests.elastic_hosts import agent_main; agent_main({self.endpoint!r}, {self.run_id!r}, "
                 f"{str(self.tmp / 'ckpt')!r}, {str(self.tmp / (name + '.pt'))!r}, {self.gate!r}, {self.steps}, "
-                f"{self.timeout_s})")
+                f"{self.timeout_s}, {self.backend!r})")
         self.agents[name] = spawn("-c", code, namespace=self._namespace(len(self.agents) + 1))
 
     def agent_id(self, name: str) -> str:
@@ -208,7 +255,7 @@ class Cluster:
         debug = os.environ.get("HOTSWITCH_TEST_LOGS")
         state = self._state() if debug else ""
         logs = {}
-        for name, p in [*self.agents.items(), ("rendezvous", self.server)]:
+        for name, p in [*self.agents.items(), *([("rendezvous", self.server)] if self.server else [])]:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGCONT)

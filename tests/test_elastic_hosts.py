@@ -1,5 +1,6 @@
 """Elastic training across hosts (`tests.elastic_hosts`: one agent process per emulated host, 2 gloo
-workers each, torch's c10d rendezvous served by `hotswitch rendezvous` in a process apart).
+workers each), on torch's c10d rendezvous served by `hotswitch rendezvous` in a process apart, and
+again on a rendezvous backend registered from outside (torch's dynamic rendezvous on a FileStore).
 
 Agents "first" and "second" start the job (dp4). After step 3 the test SIGKILLs the agent whose
 workers are the job's last two: its workers die with it (parent-death signal), the other agent
@@ -24,9 +25,10 @@ pytestmark = [pytest.mark.hosts, pytest.mark.slow]  # spawns 3 agents and 6 work
 STEPS = 8
 
 
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    cluster = H.Cluster(tmp_path_factory.mktemp("hosts"), "hosts", "scale-out:5", STEPS, timeout_s=3.0)
+@pytest.fixture(scope="module", params=["c10d", "file"])
+def hosts(request, tmp_path_factory):
+    cluster = H.Cluster(tmp_path_factory.mktemp("hosts"), "hosts", "scale-out:5", STEPS, timeout_s=3.0,
+                        backend=request.param)
     logs = {}
     try:
         cluster.start("first")

@@ -5,6 +5,7 @@ replays), `membership` (the agent that spawns workers, sees them die and publish
 in-process regrouping), `checkpoint` (asynchronous DCP checkpoints with verified manifests).
 """
 from hotswitch.elastic.job import ElasticJob, Event, Reconfiguration, configs_for
-from hotswitch.elastic.membership import ElasticError, run_elastic
+from hotswitch.elastic.membership import ElasticError, Rendezvous, register_rendezvous_store, run_elastic
 
-__all__ = ["ElasticError", "ElasticJob", "Event", "Reconfiguration", "configs_for", "run_elastic"]
+__all__ = ["ElasticError", "ElasticJob", "Event", "Reconfiguration", "Rendezvous", "configs_for",
+           "register_rendezvous_store", "run_elastic"]

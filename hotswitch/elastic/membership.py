@@ -45,14 +45,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.elastic.rendezvous import RendezvousClosedError
+from torch.distributed.elastic.rendezvous import RendezvousClosedError, RendezvousParameters
 
 from hotswitch.distributed import _c10d
 from hotswitch.distributed.device import default_backend
 from hotswitch.distributed.launch import patched_environ, write_whole_lines
 
 __all__ = ["ElasticError", "Fenced", "GenerationRecord", "Membership", "MembershipChanged", "Rendezvous",
-           "StoreAddress", "run_elastic", "serve_rendezvous"]
+           "StoreAddress", "register_rendezvous_store", "run_elastic", "serve_rendezvous"]
 
 LONG_TIMEOUT = datetime.timedelta(minutes=10)  # collectives while compiling/profiling (ranks drift apart)
 
@@ -94,50 +94,89 @@ HEARTBEAT_S = 0.5  # how often workers and agents beat (a counter in the store)
 
 @dataclass(frozen=True)
 class StoreAddress:
-    """Where the job's store is: a TCPStore at host:port, keys under `prefix` ("" on one host)."""
+    """Where the job's store is, so that any process (an agent, a worker, a thread of either) opens a
+    client of its own: a TCPStore at host:port (one host's agent, or the c10d rendezvous), or the store
+    of another rendezvous backend, opened by `opener` (see `register_rendezvous_store`); keys under
+    `prefix` ("" on one host)."""
 
-    host: str
-    port: int
+    host: str = ""
+    port: int = 0
     prefix: str = ""
+    opener: Callable[[RendezvousParameters], Any] | None = None  # module level: workers import it by name
+    rendezvous: tuple[str, str, str] = ()  # (backend, endpoint, run_id), the parameters `opener` gets
 
     def connect(self, timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
         """A new client of the store (one per thread: a client's socket must not serve two threads)."""
-        store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        if self.opener is None:
+            store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        else:
+            backend, endpoint, run_id = self.rendezvous
+            store = self.opener(RendezvousParameters(backend, endpoint, run_id, 1, 1))
+            store.set_timeout(timeout)
         return dist.PrefixStore(self.prefix, store) if self.prefix else store
+
+
+def _etcd_store(params: RendezvousParameters):
+    """torch's etcd store at the rendezvous' etcd endpoint (the store its etcd-v2 backend keeps)."""
+    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
+
+    return create_backend(params)[1]
+
+
+# rendezvous backend -> how a process opens a client of that backend's store; c10d's is a TCPStore
+_RENDEZVOUS_STORES: dict[str, Callable[[RendezvousParameters], Any]] = {"etcd": _etcd_store, "etcd-v2": _etcd_store}
+
+
+def register_rendezvous_store(backend: str, opener: Callable[[RendezvousParameters], Any]) -> None:
+    """Make torch's rendezvous backend `backend` (registered in torch's `rendezvous_handler_registry`,
+    as torchrun's are) usable for hotswitch's elastic jobs. hotswitch keeps its generations, step
+    agreement and heartbeats in a store every host and every worker reaches, so it needs to open the
+    backend's store: `opener(params)` returns a new client of it (a `torch.distributed.Store`) for
+    the endpoint and run id in `params`. `opener` must be a module-level function: workers, spawned
+    processes, import it by name. c10d (a TCPStore) and etcd / etcd-v2 (torch's etcd store) are built in."""
+    if backend == "c10d":
+        raise ValueError("c10d's store is built in (a TCPStore at --rdzv-endpoint)")
+    _RENDEZVOUS_STORES[backend] = opener
 
 
 @dataclass(frozen=True)
 class Rendezvous:
     """How agents on several hosts find each other: torch's rendezvous (`--rdzv-*` as torchrun spells
-    them). The c10d backend's TCPStore at `endpoint` also holds hotswitch's generations, under
+    them; c10d by default, any backend of torch's registry whose store hotswitch can open, see
+    `register_rendezvous_store`). The backend's store also holds hotswitch's generations, under
     "hotswitch/<run_id>/", for agents and workers alike."""
 
-    endpoint: str  # HOST:PORT of the c10d store (`hotswitch rendezvous --port P` serves one)
+    endpoint: str  # c10d: HOST:PORT of its store (`hotswitch rendezvous --port P` serves one); else the backend's
     run_id: str = "hotswitch"
     nproc_per_node: int = 1
     backend: str = "c10d"
     agent_timeout_s: float = 5.0  # an agent whose heartbeat stops this long is gone, with its workers
 
     def __post_init__(self):
-        if self.backend != "c10d":
-            raise ValueError(f"--rdzv-backend {self.backend}: hotswitch's workers keep their generations and step "
-                             "agreement in the rendezvous' own store, which needs the c10d backend (a TCPStore); use "
-                             "--rdzv-backend c10d with `hotswitch rendezvous --port P` as its endpoint")
+        if self.backend != "c10d" and self.backend not in _RENDEZVOUS_STORES:
+            raise ValueError(f"--rdzv-backend {self.backend}: hotswitch keeps its generations and step agreement "
+                             "in the rendezvous backend's store, and does not know how to open this backend's. "
+                             f"Use c10d (with `hotswitch rendezvous --port P` as its endpoint) or one of "
+                             f"{sorted(_RENDEZVOUS_STORES)}, or register an opener for it first: "
+                             f"hotswitch.elastic.register_rendezvous_store({self.backend!r}, open_store)")
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         host, _, port = self.endpoint.rpartition(":")
-        if not host or not port.isdigit():
+        if self.backend == "c10d" and (not host or not port.isdigit()):
             raise ValueError(f"--rdzv-endpoint takes HOST:PORT, got {self.endpoint!r}")
 
     @property
     def address(self) -> StoreAddress:
+        prefix = f"hotswitch/{self.run_id}"
+        if self.backend != "c10d":
+            return StoreAddress(prefix=prefix, opener=_RENDEZVOUS_STORES[self.backend],
+                                rendezvous=(self.backend, self.endpoint, self.run_id))
         host, _, port = self.endpoint.rpartition(":")  # checked above
-        return StoreAddress(host, int(port), f"hotswitch/{self.run_id}")
+        return StoreAddress(host, int(port), prefix)
 
     def handler(self, min_nodes: int, max_nodes: int):
-        """torch's `RendezvousHandler` for this job (c10d backend): short keep-alives, so a lost host
-        leaves the rendezvous within seconds and a replacement can join the next round."""
-        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        """torch's `RendezvousHandler` for this job, from torch's registry: short keep-alives, so a
+        lost host leaves the rendezvous within seconds and a replacement can join the next round."""
         from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
         params = RendezvousParameters(self.backend, self.endpoint, self.run_id, min_nodes, max_nodes,
@@ -549,7 +588,7 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, min_size: i
     else:
         address = rendezvous.address
     store = address.connect()
-    env = {"MASTER_ADDR": address.host, "MASTER_PORT": str(address.port)}
+    env = {"MASTER_ADDR": address.host, "MASTER_PORT": str(address.port)} if address.opener is None else {}
     agent = _Agent(fn, args, min_size, max_size, store, address, env, heartbeat_timeout_s, rendezvous, log=log)
     try:
         return agent.run(world_size)
