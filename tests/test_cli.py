@@ -163,8 +163,6 @@ def test_several_hosts_options_are_checked_and_passed_on():
         parse("--nproc-per-node", "2")
     with pytest.raises(SystemExit, match="--rdzv-endpoint takes HOST:PORT, got 'node0'"):
         parse("--rdzv-endpoint", "node0", "--checkpoint-dir", "/c")
-    assert parse("--rdzv-endpoint", "etcd0:2379", "--checkpoint-dir", "/c", "--rdzv-backend",
-                 "etcd-v2").rendezvous.backend == "etcd-v2"  # torch's etcd store: opened by torch's own factory
     with pytest.raises(SystemExit, match="--rdzv-backend zookeeper: .*register_rendezvous_store.'zookeeper'"):
         parse("--rdzv-endpoint", "node0:1", "--checkpoint-dir", "/c", "--rdzv-backend", "zookeeper")
 

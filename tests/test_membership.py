@@ -101,3 +101,28 @@ def test_a_store_wait_for_a_peer_that_never_comes_ends_naming_it():
     with pytest.raises(TimeoutError, match="at 's0/update' of generation 0 for w1"):
         m.agree_to_commit("s0/update")
     assert m.decide_abort("s0/update") is False  # nothing was decided: the recovery decides abort
+
+
+class _StoreWithoutCompareSet(dist.Store):
+    """A store like torch's EtcdStore: set, get, add, check and wait, but no compare_set."""
+
+    def __init__(self):
+        super().__init__()
+        self.values: dict[str, int] = {}
+
+    def add(self, key, amount):
+        self.values[key] = self.values.get(key, 0) + amount
+        return self.values[key]
+
+
+def test_a_rendezvous_store_without_compare_set_is_refused_by_name():
+    import pytest
+
+    from hotswitch.elastic.membership import Rendezvous, _check_store
+
+    _check_store(dist.HashStore(), "file")  # a c10d store has every operation
+    with pytest.raises(ValueError, match="rendezvous backend 'etcd' cannot serve an elastic job: it needs .*"
+                                         "compare_set"):
+        _check_store(_StoreWithoutCompareSet(), "etcd")
+    with pytest.raises(ValueError, match="register_rendezvous_store\\('etcd', open_store\\)"):
+        Rendezvous("etcd0:2379", backend="etcd")

@@ -116,33 +116,41 @@ class StoreAddress:
         return dist.PrefixStore(self.prefix, store) if self.prefix else store
 
 
-def _etcd_store(params: RendezvousParameters):
-    """torch's etcd store at the rendezvous' etcd endpoint (the store its etcd-v2 backend keeps)."""
-    from torch.distributed.elastic.rendezvous.etcd_rendezvous_backend import create_backend
-
-    return create_backend(params)[1]
-
-
-# rendezvous backend -> how a process opens a client of that backend's store; c10d's is a TCPStore
-_RENDEZVOUS_STORES: dict[str, Callable[[RendezvousParameters], Any]] = {"etcd": _etcd_store, "etcd-v2": _etcd_store}
+# rendezvous backend -> how a process opens a client of that backend's store (c10d's: a TCPStore).
+# None built in besides c10d: torch's etcd store has no compare_set, on which generations rest.
+_RENDEZVOUS_STORES: dict[str, Callable[[RendezvousParameters], Any]] = {}
+_STORE_OPERATIONS = ("set", "get", "add", "check", "wait", "compare_set")  # what the job asks of its store
 
 
 def register_rendezvous_store(backend: str, opener: Callable[[RendezvousParameters], Any]) -> None:
     """Make torch's rendezvous backend `backend` (registered in torch's `rendezvous_handler_registry`,
-    as torchrun's are) usable for hotswitch's elastic jobs. hotswitch keeps its generations, step
-    agreement and heartbeats in a store every host and every worker reaches, so it needs to open the
-    backend's store: `opener(params)` returns a new client of it (a `torch.distributed.Store`) for
-    the endpoint and run id in `params`. `opener` must be a module-level function: workers, spawned
-    processes, import it by name. c10d (a TCPStore) and etcd / etcd-v2 (torch's etcd store) are built in."""
+    as torchrun's out-of-tree ones are) usable for hotswitch's elastic jobs. hotswitch keeps its
+    generations, step agreement and heartbeats in a store every host and every worker reaches, so it
+    needs to open the backend's store: `opener(params)` returns a new client of it (a
+    `torch.distributed.Store` with set, get, add, check, wait and compare_set: a TCPStore or a
+    FileStore, say) for the endpoint and run id in `params`. `opener` must be a module-level
+    function: workers, spawned processes, import it by name. c10d's store is built in."""
     if backend == "c10d":
         raise ValueError("c10d's store is built in (a TCPStore at --rdzv-endpoint)")
     _RENDEZVOUS_STORES[backend] = opener
 
 
+def _check_store(store, backend: str) -> None:
+    """Fail at the start, naming the backend, if its store lacks an operation the job needs (torch's
+    EtcdStore has no compare_set, for one) rather than at the first generation."""
+    key = "elastic/store-check"
+    try:
+        store.add(key, 0)
+        store.compare_set(key, "0", "0")
+    except (RuntimeError, NotImplementedError, AttributeError) as e:
+        raise ValueError(f"the store of rendezvous backend {backend!r} cannot serve an elastic job: it needs "
+                         f"{', '.join(_STORE_OPERATIONS)} ({type(e).__name__}: {e})") from e
+
+
 @dataclass(frozen=True)
 class Rendezvous:
     """How agents on several hosts find each other: torch's rendezvous (`--rdzv-*` as torchrun spells
-    them; c10d by default, any backend of torch's registry whose store hotswitch can open, see
+    them; c10d by default, or any backend of torch's registry whose store was registered with
     `register_rendezvous_store`). The backend's store also holds hotswitch's generations, under
     "hotswitch/<run_id>/", for agents and workers alike."""
 
@@ -154,10 +162,11 @@ class Rendezvous:
 
     def __post_init__(self):
         if self.backend != "c10d" and self.backend not in _RENDEZVOUS_STORES:
+            known = "".join(f", {b}" for b in sorted(_RENDEZVOUS_STORES))
             raise ValueError(f"--rdzv-backend {self.backend}: hotswitch keeps its generations and step agreement "
-                             "in the rendezvous backend's store, and does not know how to open this backend's. "
-                             f"Use c10d (with `hotswitch rendezvous --port P` as its endpoint) or one of "
-                             f"{sorted(_RENDEZVOUS_STORES)}, or register an opener for it first: "
+                             "in the rendezvous backend's store, and does not know how to open this backend's "
+                             f"(it knows c10d{known}). Use c10d, with `hotswitch rendezvous --port P` as its "
+                             "endpoint, or register an opener for this backend's store first: "
                              f"hotswitch.elastic.register_rendezvous_store({self.backend!r}, open_store)")
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
@@ -588,6 +597,8 @@ def run_elastic(fn: Callable[..., Any], world_size: int, *args: Any, min_size: i
     else:
         address = rendezvous.address
     store = address.connect()
+    if rendezvous is not None and rendezvous.backend != "c10d":
+        _check_store(store, rendezvous.backend)
     env = {"MASTER_ADDR": address.host, "MASTER_PORT": str(address.port)} if address.opener is None else {}
     agent = _Agent(fn, args, min_size, max_size, store, address, env, heartbeat_timeout_s, rendezvous, log=log)
     try:
