@@ -62,8 +62,8 @@ def add_parser(subparsers) -> None:
     e.add_argument("--nproc-per-node", type=int, default=None, metavar="N", help="workers on this host (with "
                    "--rdzv-endpoint; the job starts once ceil(--world-size / N) hosts joined)")
     e.add_argument("--rdzv-id", default="hotswitch", metavar="ID", help="the job's id at the rendezvous")
-    e.add_argument("--rdzv-backend", default="c10d", help="torch's rendezvous backend: c10d (default), or one whose "
-                   "store was registered with hotswitch.elastic.register_rendezvous_store")
+    e.add_argument("--rdzv-backend", default="c10d", help="torch's rendezvous backend: c10d, or one whose store was "
+                   "registered with hotswitch.elastic.register_rendezvous_store")
     p.set_defaults(run=run_train)
 
 
