@@ -126,3 +126,20 @@ def test_a_rendezvous_store_without_compare_set_is_refused_by_name():
         _check_store(_StoreWithoutCompareSet(), "etcd")
     with pytest.raises(ValueError, match="register_rendezvous_store\\('etcd', open_store\\)"):
         Rendezvous("etcd0:2379", backend="etcd")
+
+
+def test_a_rendezvous_store_opener_is_found_by_entry_point_as_torchrun_finds_handlers(monkeypatch):
+    import importlib.metadata
+
+    from hotswitch.elastic import membership
+    from tests.elastic_hosts import open_file_store
+
+    declared = [importlib.metadata.EntryPoint("file-plugin", "tests.elastic_hosts:open_file_store",
+                                              membership.STORE_ENTRY_POINTS)]
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group, name: [e for e in declared if e.group == group and e.name == name])
+    monkeypatch.setattr(membership, "_RENDEZVOUS_STORES", {})
+    address = membership.Rendezvous("/shared/rendezvous.store", "job", 2, "file-plugin").address
+    assert address.opener is open_file_store and address.rendezvous == ("file-plugin", "/shared/rendezvous.store",
+                                                                         "job")
+    assert address.prefix == "hotswitch/job"

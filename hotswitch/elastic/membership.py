@@ -129,10 +129,27 @@ def register_rendezvous_store(backend: str, opener: Callable[[RendezvousParamete
     needs to open the backend's store: `opener(params)` returns a new client of it (a
     `torch.distributed.Store` with set, get, add, check, wait and compare_set: a TCPStore or a
     FileStore, say) for the endpoint and run id in `params`. `opener` must be a module-level
-    function: workers, spawned processes, import it by name. c10d's store is built in."""
+    function: workers, spawned processes, import it by name. c10d's store is built in; a package can
+    also declare its opener as an entry point (see `STORE_ENTRY_POINTS`)."""
     if backend == "c10d":
         raise ValueError("c10d's store is built in (a TCPStore at --rdzv-endpoint)")
     _RENDEZVOUS_STORES[backend] = opener
+
+
+STORE_ENTRY_POINTS = "hotswitch.rendezvous_stores"  # as torchrun finds out-of-tree handlers in "torchrun.handlers"
+
+
+def _store_opener(backend: str) -> Callable[[RendezvousParameters], Any] | None:
+    """The opener registered for `backend`'s store, or else one an installed package declares under
+    the entry point group `STORE_ENTRY_POINTS` (`name = "module:open_store"`), so that the CLI's
+    `--rdzv-backend NAME` works with a backend package that also declares its torchrun handler."""
+    if backend not in _RENDEZVOUS_STORES:
+        from importlib.metadata import entry_points
+
+        for point in entry_points(group=STORE_ENTRY_POINTS, name=backend):
+            _RENDEZVOUS_STORES[backend] = point.load()
+            break
+    return _RENDEZVOUS_STORES.get(backend)
 
 
 def _check_store(store, backend: str) -> None:
@@ -161,13 +178,14 @@ class Rendezvous:
     agent_timeout_s: float = 5.0  # an agent whose heartbeat stops this long is gone, with its workers
 
     def __post_init__(self):
-        if self.backend != "c10d" and self.backend not in _RENDEZVOUS_STORES:
+        if self.backend != "c10d" and _store_opener(self.backend) is None:
             known = "".join(f", {b}" for b in sorted(_RENDEZVOUS_STORES))
             raise ValueError(f"--rdzv-backend {self.backend}: hotswitch keeps its generations and step agreement "
                              "in the rendezvous backend's store, and does not know how to open this backend's "
                              f"(it knows c10d{known}). Use c10d, with `hotswitch rendezvous --port P` as its "
                              "endpoint, or register an opener for this backend's store first: "
-                             f"hotswitch.elastic.register_rendezvous_store({self.backend!r}, open_store)")
+                             f"hotswitch.elastic.register_rendezvous_store({self.backend!r}, open_store) in "
+                             f"Python, or an entry point {self.backend} in group {STORE_ENTRY_POINTS} of a package")
         if self.nproc_per_node < 1:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         host, _, port = self.endpoint.rpartition(":")
@@ -178,7 +196,7 @@ class Rendezvous:
     def address(self) -> StoreAddress:
         prefix = f"hotswitch/{self.run_id}"
         if self.backend != "c10d":
-            return StoreAddress(prefix=prefix, opener=_RENDEZVOUS_STORES[self.backend],
+            return StoreAddress(prefix=prefix, opener=_store_opener(self.backend),
                                 rendezvous=(self.backend, self.endpoint, self.run_id))
         host, _, port = self.endpoint.rpartition(":")  # checked above
         return StoreAddress(host, int(port), prefix)
