@@ -163,6 +163,21 @@ def _baselines(cm, a: str, b: str, repeats: int) -> list[dict]:
         rows.append(
             {"from": a, "to": b, "method": "dtensor_redistribute", "measured_seconds": _timed(redistribute, repeats)}
         )
+    elif ca.pp == cb.pp == 1:
+        # DTensor redistributes within one mesh only: across meshes a DTensor user gathers each
+        # parameter on the source mesh (`full_tensor`) and keeps this rank's destination piece
+        cm.switch(a)
+        src = cm.as_dtensors(cm.local_params, a)
+        rank = dist.get_rank()
+        pieces = {n: tuple(slice(lo, hi) for lo, hi in layout.box(rank)) for n, layout in cm.layouts(b).items()}
+
+        def gather_then_slice():
+            for n, d in src.items():
+                d.full_tensor()[pieces[n]].clone()
+
+        rows.append(
+            {"from": a, "to": b, "method": "dtensor_gather", "measured_seconds": _timed(gather_then_slice, repeats)}
+        )
     cm.switch(a)
     src = cm.as_dtensors(cm.local_params)
     shapes_b = cm.local_shapes(b)
