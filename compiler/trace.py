@@ -121,7 +121,8 @@ class LogicGraph:
 
 
 def _decompose(gm: fx.GraphModule, fake_inputs: list) -> fx.GraphModule:
-    """Core-ATen forward graph of the exported training IR.
+    """Core-ATen forward graph of the exported training IR (for a loss `trace` cannot split before
+    decomposing; see `_split_mean_cross_entropy`).
 
     One make_fx pass with our decomposition table over the exported graph, fed the export's own
     fake inputs: their sizes are the export's symbols, so the pass reasons in the shape environment
@@ -130,8 +131,6 @@ def _decompose(gm: fx.GraphModule, fake_inputs: list) -> fx.GraphModule:
     linear) decompose in C++ here, where `ExportedProgram.run_decompositions` runs them as Python
     decompositions, about 6x slower. The interpreter hands every node's source line and module path on.
     """
-    _constant_pads(gm)
-
     def run(*args):
         with fx_traceback.preserve_node_meta():
             return fx.Interpreter(gm).run(*args)
@@ -290,6 +289,58 @@ def _split_loss(gm: fx.GraphModule, param_nodes: set[fx.Node]) -> bool:
     return False
 
 
+_CROSS_ENTROPY_ARGS = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+
+
+def _split_mean_cross_entropy(gm: fx.GraphModule) -> bool:
+    """Rewrite `return (cross_entropy(logits, labels),)` (mean over the labels that are not
+    ignored, no class weights, no smoothing: a Hugging Face model's loss) into `return (summed
+    cross-entropy, count of those labels)`: the numerator and denominator its decomposition divides
+    (`nll_loss`'s total weight, in the logits' dtype), found before decomposing."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    (loss,) = out.args[0]
+    if loss.target is not aten.cross_entropy_loss.default:
+        return False
+    args = {**dict(zip(_CROSS_ENTROPY_ARGS, loss.args)), **loss.kwargs}
+    logits, labels = args["self"], args["target"]
+    ignore = args.get("ignore_index", -100)
+    if args.get("weight") is not None or args.get("reduction", 1) != 1 or args.get("label_smoothing", 0.0) != 0.0 \
+            or not isinstance(labels, fx.Node) or labels.meta["val"].is_floating_point():
+        return False
+    meta = {k: v for k, v in loss.meta.items() if k != "val"}  # the loss's source line and module path
+    g = gm.graph
+    with g.inserting_before(out):
+        made = [g.call_function(aten.cross_entropy_loss.default, (logits, labels, None, 2, ignore, 0.0)),
+                g.call_function(aten.ne.Scalar, (labels, ignore))]
+        made.append(g.call_function(aten.sum.default, (made[1],)))
+        made.append(g.call_function(aten._to_copy.default, (made[2],), {"dtype": logits.meta["val"].dtype}))
+    for n in made:
+        n.meta.update(meta)
+    out.args = ((made[0], made[3]),)
+    g.erase_node(loss)
+    return True
+
+
+def _forward_of(joint: fx.GraphModule, num_outputs: int) -> fx.GraphModule:
+    """The forward graph inside a joint one: every input (parameters, buffers, model inputs) and
+    the nodes the first `num_outputs` outputs (the loss's numerator and denominator) are computed
+    from, copied with their metadata, in the joint's order."""
+    out = next(n for n in joint.graph.nodes if n.op == "output")
+    wanted = pytree.tree_leaves(out.args[0])[:num_outputs]
+    needed, stack = set(), [w for w in wanted if isinstance(w, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in needed:
+            needed.add(n)
+            stack.extend(n.all_input_nodes)
+    g, env = fx.Graph(), {}
+    for n in joint.graph.nodes:
+        if n.op == "placeholder" or n in needed:
+            env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[w] if isinstance(w, fx.Node) else w for w in wanted))
+    return fx.GraphModule(joint, g)
+
+
 @collector_paused()
 def trace(
     model: torch.nn.Module, example_inputs, dynamic_dims: dict[int, tuple[int, ...]] | None = None
@@ -329,21 +380,29 @@ def trace(
         **dict(model.named_buffers(remove_duplicate=False)),
         **dict(model.named_parameters(remove_duplicate=False)),
     }
-    fake_inputs = [n.meta["val"] for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
-    fwd = _decompose(ep.graph_module, fake_inputs)
-    _fold_static_sizes(fwd, len(param_names) + len(buffer_names))
+    exported = ep.graph_module
+    _constant_pads(exported)
     canon = {id(p): n for n, p in model.named_parameters()}
     aliases = {k: canon[id(v)] for k, v in model.named_parameters(remove_duplicate=False) if canon[id(v)] != k}
-    _merge_tied(fwd, param_names, aliases)
-    _normalize_reduce_dims(fwd)
-    _squeeze_one_dim(fwd)
-    placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
-    split = _split_loss(fwd, set(placeholders[: len(param_names)]))
-    fwd.recompile()  # the passes above edit the graph; its code is written once, here
+    _merge_tied(exported, param_names, aliases)
     params = [state[n].detach() for n in param_names]
     buffers = [state[n].detach() for n in buffer_names]
-
-    joint = _make_joint(fwd, len(params), len(buffers))
+    param_nodes = set([n for n in exported.graph.nodes if n.op == "placeholder"][: len(param_names)])
+    split = _split_loss(exported, param_nodes) or _split_mean_cross_entropy(exported)
+    if split:
+        # one pass: the joint graph is traced from the exported one, decomposing as it goes, and the
+        # forward is the part of it the loss needs (tracing the decomposed forward first, then the
+        # joint from it, ran every forward op through fake tensors twice)
+        joint = _make_joint(exported, len(params), len(buffers))
+        fwd = _forward_of(joint, 2)
+    else:  # a loss that is a division only once decomposed: decompose, split, then trace the joint
+        fwd = _decompose(exported, [n.meta["val"] for n in exported.graph.nodes if n.op == "placeholder"])
+        _fold_static_sizes(fwd, len(param_names) + len(buffer_names))
+        _normalize_reduce_dims(fwd)
+        _squeeze_one_dim(fwd)
+        split = _split_loss(fwd, set([n for n in fwd.graph.nodes if n.op == "placeholder"][: len(param_names)]))
+        fwd.recompile()  # the passes above edit the graph; its code is written once, here
+        joint = _make_joint(fwd, len(params), len(buffers))
     return LogicGraph(
         forward=fwd, joint=joint, param_names=param_names, buffer_names=buffer_names,
         param_shapes={n: p.shape for n, p in zip(param_names, params)},
@@ -459,6 +518,25 @@ def _user_frame(e: BaseException) -> str:
     return f"{f.filename}:{f.lineno} in {f.name} (`{(f.line or '').strip()}`)"
 
 
+class _LossAsCoreOps(fx.Interpreter):
+    """Runs a graph, with a cross-entropy decomposed above autograd: autograd then differentiates its
+    core ops (a gather of the log-probabilities, whose backward scatter-adds the gradient), as when
+    the forward was decomposed before the joint was traced. Left to autograd, `nll_loss`'s backward
+    decomposes into a scatter of -1 into zeros, which lowered with uneven rows under sequence
+    parallelism read garbage indices."""
+
+    def call_function(self, target, args, kwargs):
+        if target is aten.cross_entropy_loss.default:
+            call = {**dict(zip(_CROSS_ENTROPY_ARGS, args)), **kwargs}
+            logits, labels = call["self"], call["target"]
+            if logits.dim() == 2 and not labels.is_floating_point() and call.get("label_smoothing", 0.0) == 0.0:
+                nll = decomposition_table()[aten.nll_loss_forward.default]
+                log_probs = aten._log_softmax.default(logits, 1, False)
+                return nll(log_probs, labels, call.get("weight"), call.get("reduction", 1),
+                           call.get("ignore_index", -100))[0]
+        return super().call_function(target, args, kwargs)
+
+
 def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.GraphModule:
     """The forward and backward as one graph: (params, buffers, inputs) -> (outputs..., grad per
     param...), traced (like `_decompose`) with the forward's own fake values and shape environment."""
@@ -471,7 +549,7 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.Gr
         # An Interpreter under preserve_node_meta hands each forward node's source line and module
         # path on to the joint graph (error messages and per-block collective counts use them).
         with fx_traceback.preserve_node_meta():
-            outs = fx.Interpreter(fwd).run(*params, *buffers, *inputs)
+            outs = _LossAsCoreOps(fwd).run(*params, *buffers, *inputs)
         target = outs[0]
         grads = torch.autograd.grad(target, params, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
@@ -479,7 +557,8 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.Gr
 
     with fake_mode:
         p = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in params]
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), fake_mode:
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), half_precision_math_attention(), \
+            fake_mode:
         trace_joint = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="fake")
         gm = trace_joint(p, list(buffers), list(inputs))
         if any(is_mutable(n.target) for n in gm.graph.nodes):

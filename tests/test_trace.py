@@ -193,3 +193,54 @@ def test_tracing_pauses_the_garbage_collector_and_restores_it(monkeypatch):
         assert seen == [False, False] and not gc.isenabled()  # a caller's choice is kept
     finally:
         gc.enable()
+
+
+class _MeanSquaredError(torch.nn.Module):
+    """A loss that is no division before decomposing (a mean): traced the two-pass way, unsplit."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.proj(x), y)
+
+
+@pytest.mark.parametrize("which", ["ours", "hf_llama", "hf_internal_loss", "mse"])
+def test_the_logic_graph_computes_the_models_loss_and_gradients(which, monkeypatch):
+    """A loss that is a division before decomposing (ours: a sum over a count; Hugging Face's mean
+    cross-entropy, given labels or not) is split and traced in one pass, the forward cut out of the
+    joint graph; any other goes through the decomposed forward first. Either way the graphs give the
+    model's loss and its gradients (the joint differentiates the numerator: the loss times `den`)."""
+    import hotswitch.compiler.trace as T
+    from hotswitch.compiler.signature import LossModule, ModelCall
+
+    torch.manual_seed(0)
+    if which == "mse":
+        model, inputs = _MeanSquaredError(), (torch.randn(3, 5, 8), torch.randn(3, 5, 8))
+    elif which == "hf_internal_loss":
+        model, inputs = build_hf_model("llama").model, dict(input_ids=IDS, labels=IDS.clone())
+    else:
+        model, inputs = build_model("gpt-tiny", vocab_size=1001) if which == "ours" else build_hf_model("llama"), \
+            (IDS, IDS)
+    decomposed = []
+    two_pass = T._decompose
+    monkeypatch.setattr(T, "_decompose", lambda *a: decomposed.append(1) or two_pass(*a))
+    lg = trace(model, inputs)
+    assert (len(decomposed), lg.split_loss) == ((1, False) if which == "mse" else (0, True))
+
+    flat = lg.call.flatten_example(inputs)
+    state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    params = [state[n].detach() for n in lg.param_names]
+    buffers = [state[n] for n in lg.buffer_names]
+    loss = LossModule(model, ModelCall.of(model, inputs))(*flat)
+    model.zero_grad()
+    loss.backward()
+    forward = lg.forward(*params, *buffers, *flat)
+    den = forward[1] if lg.split_loss else torch.tensor(1.0)
+    assert torch.allclose(forward[0] / den, loss, rtol=1e-5, atol=0)
+    joint = lg.joint(params, buffers, list(flat))
+    for name, grad in zip(lg.param_names, joint[2 if lg.split_loss else 1:]):
+        expected = dict(model.named_parameters())[name].grad * den
+        error = ((grad - expected).norm() / expected.norm().clamp_min(1e-12)).item()  # summation order differs
+        assert error < 1e-5, (name, error)
