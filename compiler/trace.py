@@ -1,12 +1,16 @@
 """Tracing an nn.Module into a LogicGraph: one single-device, communication-free graph.
 
-`torch.export` (non-strict) gives a core-ATen forward graph with dynamic batch and sequence dims and
-the parameters' fully qualified names. From it we derive, once, a *joint* forward+backward graph with
-`make_fx` (symbolic shapes): the unit the compiler shards, because a joint graph lets the same
-sharding propagation place the collectives of both directions (DESIGN 4a).
+`torch.export` (non-strict) gives an ATen forward graph with dynamic batch and sequence dims and
+the parameters' fully qualified names. From it we derive, once, a core-ATen *joint* forward+backward
+graph with `make_fx` (symbolic shapes, decomposing as it traces): the unit the compiler shards,
+because a joint graph lets the same sharding propagation place the collectives of both directions
+(DESIGN 4a).
 
 The loss is split as `loss = num / den` when the model ends with a division by a parameter-free
-scalar (a mean cross-entropy: sum of token losses / count of target tokens). The joint graph then
+scalar (a mean cross-entropy: sum of token losses / count of target tokens; torch's own mean
+cross-entropy is split into those two before decomposing). Then the joint graph is traced in one pass
+from the exported graph and the forward is cut out of it; a loss that is a division only once
+decomposed has its forward decomposed first, then the joint traced from it. The joint graph then
 differentiates `num` only; the runtime reduces `num`, `den` and the gradients together in the data-
 parallel gradient buckets and divides once. That keeps the forward of pure DP free of collectives and
 makes uneven DP splits (and ignored labels) exact.
