@@ -122,7 +122,8 @@ def _decode_arg(by_name: dict):
     return decode
 
 
-def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: dict) -> fx.GraphModule:
+def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: dict,
+                  made: dict | None = None) -> fx.GraphModule:
     graph, by_name = fx.Graph(), {}
     codegen(graph, code)
     root = torch.nn.Module()
@@ -136,7 +137,9 @@ def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: di
             symints[v.ident] = symint(v.expr)
         return symints[v.ident]
 
-    made: dict[tuple, torch.Tensor] = {}  # a fake tensor with symbolic sizes costs milliseconds to make
+    # a fake tensor with symbolic sizes costs milliseconds to make: one per distinct description, for
+    # every graph decoded with the same `made` (a LogicGraph's forward is a part of its joint graph)
+    made = {} if made is None else made
     expr = lambda s: s.expr if isinstance(s, _SymInt) else s  # noqa: E731
 
     def value(v, shared: bool = True):
@@ -191,7 +194,8 @@ def loads_logic(data: bytes) -> LogicGraph:
         raise ValueError(f"a LogicGraph written by another version of hotswitch ({version}, not {_VERSION})")
     fake_mode, symint = symbolic_fake_mode(symbols)
     symints: dict[int, torch.SymInt] = {}
-    graphs = {k: _decode_graph(*parts, fake_mode, symint, symints) for k, parts in encoded.items()}
+    made: dict[tuple, torch.Tensor] = {}
+    graphs = {k: _decode_graph(*parts, fake_mode, symint, symints, made) for k, parts in encoded.items()}
     return LogicGraph(**graphs, **rest)
 
 
