@@ -160,6 +160,33 @@ def reads_coordinate(sharding: GraphSharding, graph: fx.Graph, mesh_dim: int, ex
     return any(reads(h, w) for h, w in extra)
 
 
+def mixes_rows(sharding: GraphSharding, mesh_dim: int) -> tuple[str, ...]:
+    """Source lines of the ops whose values combine rows of different ranks along mesh dim
+    `mesh_dim` (data parallelism's) other than by summing: a batch-sharded value gathered there
+    (Shard -> Replicate or another Shard), or a value pending an average over it (a batch mean).
+
+    Each rank lowers its program with the batch it holds times dp as the global batch, so those ops
+    are exact only when every dp rank holds the same number of rows. Summing (gradients, the loss's
+    numerator and count) is exact for any split."""
+    def gathers(have, want) -> bool:
+        if not isinstance(have, dt.DTensorSpec) or not isinstance(want, dt.DTensorSpec):
+            return False
+        a, b = have.placements[mesh_dim], want.placements[mesh_dim]
+        return a.is_shard() and a != b
+
+    def averages(spec) -> bool:
+        specs = spec if isinstance(spec, (tuple, list)) else (spec,)
+        return any(isinstance(s, dt.DTensorSpec) and s.placements[mesh_dim].is_partial()
+                   and getattr(s.placements[mesh_dim], "reduce_op", "sum") != "sum" for s in specs)
+
+    lines = []
+    for node, d in sharding.decisions.items():
+        if d.kind == "op" and (any(gathers(h, w) for h, w in zip(d.in_specs, d.want_specs))
+                               or averages(d.out_spec) or gathers(d.out_spec, d.reduce_to)):
+            lines.append(f"{node.name} ({node.target}) from {source_line(node)}")
+    return tuple(lines)
+
+
 def _mentions(encoded, kinds: tuple[str, ...]) -> bool:
     """Does an encoded decision hold a placement of one of `kinds` ("SS", "SSin", ...)? A placement
     (or marker) is a tuple led by its kind's name; anything else nested is walked, without recursion

@@ -39,6 +39,7 @@ from .lower import (
     ShardingDecisions,
     StageOutputPlan,
     lower,
+    mixes_rows,
     propagate_graph,
     reads_coordinate,
 )
@@ -94,6 +95,9 @@ class StageProgram:
     decisions: ShardingDecisions | None = None  # the placements decided, apart from shapes
     replayed: int = 0  # ops whose placements were replayed from earlier decisions
     loaded: bool = False  # the ExecGraph was not traced here: the compile cache or another dp rank had it
+    # ops that combine rows of different dp ranks other than by a sum (`lower.mixes_rows`): exact only
+    # when every dp rank holds the same number of rows
+    mixes_rows: tuple[str, ...] = ()
 
 
 def _concrete(size, values: dict) -> int:
@@ -243,18 +247,18 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
 
     def load(entry):
         try:
-            data, encoded_specs = entry
-            return loads_program(data, groups), [dt.decode_spec(mesh, e) for e in encoded_specs]
+            data, encoded_specs, mixed = entry
+            return loads_program(data, groups), [dt.decode_spec(mesh, e) for e in encoded_specs], tuple(mixed)
         except Exception as e:  # noqa: BLE001 - an entry from another torch build, say: lower it again
             cache.report(f"a cached ExecGraph did not load ({type(e).__name__}: {e}); it is lowered again")
-            return None, None
+            return None, None, ()
 
-    sharding, propagate_seconds, gm, deferred_specs = None, 0.0, None, None
+    sharding, propagate_seconds, gm, deferred_specs, mixed = None, 0.0, None, None, ()
     if cache is not None and decided is not None:  # this rank's very program, lowered by an earlier process
         for any_dp in ((True, False) if dp_dim is not None else (False,)):
             entry = cache.get(program_key(decided, any_dp), "program")
             if entry is not None:
-                gm, deferred_specs = load(entry)
+                gm, deferred_specs, mixed = load(entry)
                 break
     loaded = gm is not None
     if loaded:
@@ -292,7 +296,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             shared = program_key(decided if decided is not None else decisions, any_dp=True)
             entry = cache.get(shared, "shared program")
             if entry is not None:
-                gm, deferred_specs = load(entry)
+                gm, deferred_specs, mixed = load(entry)
                 loaded = gm is not None
                 shared = None  # nothing to publish: another rank (or an earlier process) lowered it
         if gm is None:
@@ -305,6 +309,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                     cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)
                 raise
             deferred_specs = [sharding.output_specs[i] for i in deferred]
+            mixed = mixes_rows(sharding, dp_dim) if dp_dim is not None else ()
             data = None
             if cache is not None:
                 try:
@@ -312,7 +317,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
                     data = None
             if data is not None:
-                entry = (data, [dt.encode_spec(s) for s in deferred_specs])
+                entry = (data, [dt.encode_spec(s) for s in deferred_specs], mixed)
                 if shared is not None:
                     cache.put(shared, entry, "shared program")
                 else:
@@ -331,4 +336,5 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         n_losses=n_losses, n_params=n_p, send_grads=tuple(dtype.is_floating_point for _, dtype in recv_acts),
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=deferred_specs,
         param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
-        decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded)
+        decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded,
+        mixes_rows=mixed)

@@ -117,6 +117,33 @@ def check_op_without_rule_non_strict():
     assert max(rel_err(grads[n], grads_ref[n]) for n in grads_ref) < 1e-5
 
 
+class BatchCentered(nn.Module):
+    """Subtracts the batch's mean features: rows of different data-parallel ranks are averaged."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(1001, 16), nn.Linear(16, 1001)
+
+    def forward(self, ids, labels):
+        h = self.embed(ids)
+        h = h - h.mean(dim=0, keepdim=True)
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten(), reduction="sum") / (labels != -100).sum()
+
+
+def check_rows_mixed_across_dp_ranks():
+    """Even rows: exact. Uneven rows: every rank refuses, naming the op, before any collective
+    (each rank lowered for its own rows times dp; gloo aborted the process on the size mismatch)."""
+    torch.manual_seed(0)
+    model = BatchCentered()
+    ids, labels = batch(batch=4)
+    loss_ref, grads_ref = reference(model, ids, labels)
+    cm = hs.compile(model, (ids, labels), configs=[hs.DistConfig("dp2", dp=2)])
+    loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
+    errors = (rel_err(loss, loss_ref), max(rel_err(g, grads_ref[n]) for n, g in cm.full_grads().items()))
+    uneven = batch(batch=5)
+    return errors, _error(lambda: cm.forward_backward(*cm.shard_inputs(*uneven)))
+
+
 def check_a_warm_cache_replays_decisions():
     """A second compiled model (as another process would be) finds the first one's LogicGraph on disk
     (no trace), its decisions (replayed: no strategy search) and its ExecGraph (no lowering trace):
@@ -202,7 +229,7 @@ results = dist_fixture(2, [check_lowering_equals_make_fx, check_gpt_equivalence,
                            check_a_warm_cache_replays_decisions, check_gradient_buckets_reduce_behind_the_backward,
                            check_waits_sit_where_results_are_read, check_wrong_device_count,
                            check_tp_not_dividing_heads, check_unknown_config, check_op_without_rule,
-                           check_op_without_rule_non_strict])
+                           check_op_without_rule_non_strict, check_rows_mixed_across_dp_ranks])
 
 
 def test_gpt_matches_single_device(results):
@@ -259,6 +286,15 @@ def test_op_without_sharding_rule_names_node_and_source(results):
 
 def test_op_without_rule_runs_replicated_when_not_strict(results):
     results["check_op_without_rule_non_strict"].raise_if_failed()
+
+
+def test_rows_mixed_across_dp_ranks_need_an_even_split(results):
+    for errors, message in results["check_rows_mixed_across_dp_ranks"].raise_if_failed():
+        assert max(errors) < 1e-5, errors
+        assert message.startswith("ValueError: 'dp2' combines rows of different data-parallel ranks other than by "
+                                  "a sum, at mean (aten.mean.dim) from "), message
+        assert "h = h - h.mean(dim=0, keepdim=True)" in message and "a global batch of 5 does not split " \
+            "evenly. Use a batch divisible by 2" in message, message
 
 
 def test_a_warm_cache_replays_decisions(results):

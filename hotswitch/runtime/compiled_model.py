@@ -416,7 +416,8 @@ class CompiledModel:
         shapes = self._global_input_shapes(st, local_inputs)
         self._check_split(st, shapes)
         st.last_shapes = shapes
-        gm = self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=True, reduce=True).joint
+        gm = self._checked_rows(st, shapes, self._program(st, tuple(tuple(x.shape) for x in local_inputs),
+                                                          train=True, reduce=True)).joint
         with self._attention(st):
             outs = self._runner(gm, f"{st.config.name}'s training step")(*self._local_params(), *self._buffers,
                                                                           *local_inputs)
@@ -430,8 +431,10 @@ class CompiledModel:
         if st.config.pp > 1:
             with torch.no_grad(), self._attention(st):
                 return self._pipelined(st, local_inputs, 1, None, 1.0, train=False)
-        self._check_split(st, self._global_input_shapes(st, local_inputs))
-        gm = self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=False, reduce=True).joint
+        shapes = self._global_input_shapes(st, local_inputs)
+        self._check_split(st, shapes)
+        gm = self._checked_rows(st, shapes, self._program(st, tuple(tuple(x.shape) for x in local_inputs),
+                                                          train=False, reduce=True)).joint
         with torch.no_grad(), self._attention(st):
             return self._runner(gm, f"{st.config.name}'s forward")(*self._local_params(), *self._buffers,
                                                                    *local_inputs)[0]
@@ -743,6 +746,22 @@ class CompiledModel:
                 "a sum divided by a count, so an uneven split cannot be weighted exactly: use a batch "
                 f"divisible by {dp}, or return loss_sum / num_tokens"
             )
+
+    @staticmethod
+    def _checked_rows(st: ConfigState, shapes: tuple, program: StageProgram) -> StageProgram:
+        """`program`, unless the dp ranks hold different numbers of rows and it combines rows across
+        them other than by a sum (`compiler.lower.mixes_rows`): each rank lowered it for its own rows
+        times dp, so its collectives would disagree in size (gloo aborts the process) or average
+        wrongly. Every rank raises the same error, before any collective."""
+        batch, dp = shapes[0][0], st.config.dp
+        if dp > 1 and batch % dp and program.mixes_rows:
+            more = f" (and {len(program.mixes_rows) - 1} more)" if len(program.mixes_rows) > 1 else ""
+            raise ValueError(
+                f"{st.config.name!r} combines rows of different data-parallel ranks other than by a sum, at "
+                f"{program.mixes_rows[0]}{more}: a batch statistic, or the batch gathered. That is exact only when "
+                f"the dp={dp} ranks hold equally many rows, and a global batch of {batch} does not split evenly. Use "
+                f"a batch divisible by {dp}, or a config without data parallelism")
+        return program
 
     def _local_params(self) -> list[torch.Tensor]:
         return [self._local[n] for n in self.logic.param_names]
