@@ -311,16 +311,15 @@ def _split_mean_cross_entropy(gm: fx.GraphModule) -> bool:
     if args.get("weight") is not None or args.get("reduction", 1) != 1 or args.get("label_smoothing", 0.0) != 0.0 \
             or not isinstance(labels, fx.Node) or labels.meta["val"].is_floating_point():
         return False
-    meta = {k: v for k, v in loss.meta.items() if k != "val"}  # the loss's source line and module path
     g = gm.graph
     with g.inserting_before(out):
-        made = [g.call_function(aten.cross_entropy_loss.default, (logits, labels, None, 2, ignore, 0.0)),
-                g.call_function(aten.ne.Scalar, (labels, ignore))]
-        made.append(g.call_function(aten.sum.default, (made[1],)))
-        made.append(g.call_function(aten._to_copy.default, (made[2],), {"dtype": logits.meta["val"].dtype}))
-    for n in made:
-        n.meta.update(meta)
-    out.args = ((made[0], made[3]),)
+        summed = g.call_function(aten.cross_entropy_loss.default, (logits, labels, None, 2, ignore, 0.0))  # 2: sum
+        counted = g.call_function(aten.ne.Scalar, (labels, ignore))
+        count = g.call_function(aten.sum.default, (counted,))
+        den = g.call_function(aten._to_copy.default, (count,), {"dtype": logits.meta["val"].dtype})
+    for n in (summed, counted, count, den):  # the loss's source line and module path
+        n.meta.update({k: v for k, v in loss.meta.items() if k != "val"})
+    out.args = ((summed, den),)
     g.erase_node(loss)
     return True
 
