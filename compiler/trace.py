@@ -296,6 +296,12 @@ def _split_loss(gm: fx.GraphModule, param_nodes: set[fx.Node]) -> bool:
 _CROSS_ENTROPY_ARGS = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
 
 
+def _cross_entropy_arguments(args, kwargs) -> dict:
+    """`aten.cross_entropy_loss`'s arguments by name, defaults filled in (reduction 1: the mean)."""
+    return {"weight": None, "reduction": 1, "ignore_index": -100, "label_smoothing": 0.0,
+            **dict(zip(_CROSS_ENTROPY_ARGS, args)), **kwargs}
+
+
 def _split_mean_cross_entropy(gm: fx.GraphModule) -> bool:
     """Rewrite `return (cross_entropy(logits, labels),)` (mean over the labels that are not
     ignored, no class weights, no smoothing: a Hugging Face model's loss) into `return (summed
@@ -305,10 +311,9 @@ def _split_mean_cross_entropy(gm: fx.GraphModule) -> bool:
     (loss,) = out.args[0]
     if loss.target is not aten.cross_entropy_loss.default:
         return False
-    args = {**dict(zip(_CROSS_ENTROPY_ARGS, loss.args)), **loss.kwargs}
-    logits, labels = args["self"], args["target"]
-    ignore = args.get("ignore_index", -100)
-    if args.get("weight") is not None or args.get("reduction", 1) != 1 or args.get("label_smoothing", 0.0) != 0.0 \
+    args = _cross_entropy_arguments(loss.args, loss.kwargs)
+    logits, labels, ignore = args["self"], args["target"], args["ignore_index"]
+    if args["weight"] is not None or args["reduction"] != 1 or args["label_smoothing"] != 0.0 \
             or not isinstance(labels, fx.Node) or labels.meta["val"].is_floating_point():
         return False
     g = gm.graph
@@ -530,13 +535,12 @@ class _LossAsCoreOps(fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         if target is aten.cross_entropy_loss.default:
-            call = {**dict(zip(_CROSS_ENTROPY_ARGS, args)), **kwargs}
+            call = _cross_entropy_arguments(args, kwargs)
             logits, labels = call["self"], call["target"]
-            if logits.dim() == 2 and not labels.is_floating_point() and call.get("label_smoothing", 0.0) == 0.0:
+            if logits.dim() == 2 and not labels.is_floating_point() and call["label_smoothing"] == 0.0:
                 nll = decomposition_table()[aten.nll_loss_forward.default]
                 log_probs = aten._log_softmax.default(logits, 1, False)
-                return nll(log_probs, labels, call.get("weight"), call.get("reduction", 1),
-                           call.get("ignore_index", -100))[0]
+                return nll(log_probs, labels, call["weight"], call["reduction"], call["ignore_index"])[0]
         return super().call_function(target, args, kwargs)
 
 
