@@ -192,8 +192,16 @@ def run_checks(
     1200 s times ``HOTSWITCH_TEST_TIMEOUT_SCALE`` (default 1): raise it on a slow or busy machine;
     an abort names the check each rank was in.
     """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    names = [_check_name(c) for c in checks]  # bad arguments fail at once, not after waiting for the lock
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise ValueError(f"check names must be unique within a run, repeated: {dupes}")
+    specs = [_check_spec(c) for c in checks]
     with _one_run_at_a_time():
-        return _run_checks(world_size, checks, timeout, env, check_timeout, collective_timeout, fresh_interpreter)
+        return _run_checks(world_size, checks, specs, timeout, env, check_timeout, collective_timeout,
+                           fresh_interpreter)
 
 
 @contextlib.contextmanager
@@ -214,17 +222,11 @@ def _one_run_at_a_time():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _run_checks(world_size, checks, timeout, env, check_timeout, collective_timeout, fresh_interpreter):
-    """`run_checks`, with the run lock held."""
+def _run_checks(world_size, checks, specs, timeout, env, check_timeout, collective_timeout, fresh_interpreter):
+    """`run_checks`, its arguments checked, with the run lock held."""
     if timeout is None:
         timeout = scaled(DEFAULT_TIMEOUT_S)
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
     names = [_check_name(c) for c in checks]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise ValueError(f"check names must be unique within a run, repeated: {dupes}")
-    specs = [_check_spec(c) for c in checks]
     if collective_timeout is None:
         collective_timeout = timeout / 2
 
