@@ -64,6 +64,7 @@ def _runs_processes(module) -> bool:
                for name in ("run_checks", "dist_tests", "dist_fixture"))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the groups into node ids
 def pytest_collection_modifyitems(config, items):
     """Each module one xdist group (``--dist loadgroup`` then spreads modules, as loadfile would),
     the modules that start gloo processes one group between them, first in the queue."""
