@@ -9,13 +9,12 @@
   and its codegen takes a third of the time (a 2-layer GPT's step graph: 25 s -> 16 s measured).
 - ``HOTSWITCH_CACHE_DIR``: a fresh directory per test session, so the suite starts with a cold
   compile cache (never the user's) and later modules reuse what earlier ones decided.
-- ``-n auto --dist loadgroup`` (pytest-xdist, the README's command) runs one worker per core this
+- ``-n auto --dist loadfile`` (pytest-xdist, the README's command) runs one worker per core this
   process may use, at most 4, each test module on one worker, except that the modules whose tests
-  run gloo processes through ``tests.distributed`` form one group, on one worker, run first: one
-  after another (two such runs at once on 2 cores cost 12% more CPU, measured) while the other
-  workers take the single-process modules, which fill the cores a run leaves idle while one of its
-  ranks traces a model or starts up. (With ``--dist loadfile`` such a worker would sit blocked on
-  the run lock below instead: 136 s of a 421 s suite, measured.)
+  run gloo processes through ``tests.distributed`` are one unit of work, run first and one after
+  another (two runs at once on 2 cores cost 12% more CPU, measured) while the other workers take the
+  single-process modules, which fill the cores a run leaves idle while one of its ranks traces a
+  model or starts up (see ``pytest_xdist_make_scheduler``).
 - ``HOTSWITCH_TEST_RUN_LOCK``: a lock file, so that one multi-process run happens at a time however
   the modules are spread over workers.
 - The repository root goes on ``sys.path`` so that ``import tests.distributed``, ``hotswitch`` etc.
@@ -23,7 +22,9 @@
   environment and ``sys.path``.
 """
 
+import functools
 import os
+import re
 import sys
 
 import pytest
@@ -52,26 +53,28 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, cores))
 
 
-_MULTI_PROCESS_GROUP = "gloo runs"
-_GROUP_FIRST = pytest.StashKey[bool]()
+_MULTI_PROCESS_MODULES = "modules that start gloo processes"
+_RUNNERS = re.compile(r"\b(run_checks|dist_tests|dist_fixture)\b")
 
 
-def _runs_processes(module) -> bool:
-    """Whether a test module starts gloo processes through the harness (it imports one of its runners)."""
-    from tests import distributed
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, called in the controlling process
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, except that the modules starting gloo processes through the harness (they
+    name one of its runners) are one unit of work between them: one worker runs them one after
+    another, first (xdist queues the unit with the most tests first), while the other workers take
+    the single-process modules. Under plain loadfile a worker given such a module sits blocked on the
+    run lock while another runs: 136 s of a 421 s suite, measured. Other --dist modes: xdist's own."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
 
-    return any(getattr(module, name, None) is getattr(distributed, name)
-               for name in ("run_checks", "dist_tests", "dist_fixture"))
+    @functools.cache
+    def unit(module: str) -> str:
+        path = config.rootpath / module
+        return _MULTI_PROCESS_MODULES if path.is_file() and _RUNNERS.search(path.read_text()) else module
 
+    class _GlooRunsTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit(super()._split_scope(nodeid))
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns the groups into node ids
-def pytest_collection_modifyitems(config, items):
-    """Each module one xdist group (``--dist loadgroup`` then spreads modules, as loadfile would),
-    the modules that start gloo processes one group between them, first in the queue."""
-    for item in items:
-        module = getattr(item, "module", None)
-        runs = module is not None and _runs_processes(module)
-        item.add_marker(pytest.mark.xdist_group(_MULTI_PROCESS_GROUP if runs else item.nodeid.split("::")[0]))
-        item.stash[_GROUP_FIRST] = runs
-    items.sort(key=lambda item: not item.stash[_GROUP_FIRST])  # stable: modules keep their order inside
-
+    return _GlooRunsTogether(config, log)
