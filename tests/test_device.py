@@ -1,9 +1,6 @@
 """The GPU path's logic where it runs on CPU too: which device and backend a process uses, the NCCL
 failure watcher, one rank profiled with a fake process group, `hotswitch bench gpu --dry-run`."""
 import functools
-import os
-import subprocess
-import sys
 import threading
 
 import pytest
@@ -93,23 +90,32 @@ def test_profile_rank_with_a_fake_process_group():
 # ------------------------------------------------------------------ bench gpu
 
 
-def _hotswitch(*args):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, "-m", "hotswitch.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=600)
+@pytest.fixture
+def hotswitch(monkeypatch, capsys):
+    """`hotswitch ARGS` in this process, as on a machine without a GPU: (exit code, stdout, stderr)."""
+    from hotswitch.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def run(*args):
+        code = main(list(args))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
 
 
-def test_bench_gpu_dry_run_checks_and_exits_without_a_gpu():
-    out = _hotswitch("bench", "gpu", "--dry-run")
-    assert out.returncode == 0, out.stderr
-    assert "1.1" in out.stdout and "B parameters" in out.stdout  # the ~1B Llama, counted on the meta device
-    assert "dp8, tp8, dp2tp4" in out.stdout and "no CUDA GPU" in out.stdout and "nothing measured" in out.stdout
+def test_bench_gpu_dry_run_checks_and_exits_without_a_gpu(hotswitch):
+    code, out, err = hotswitch("bench", "gpu", "--dry-run")
+    assert code == 0, err
+    assert "1.1" in out and "B parameters" in out  # the ~1B Llama, counted on the meta device
+    assert "dp8, tp8, dp2tp4" in out and "no CUDA GPU" in out and "nothing measured" in out
 
 
-def test_bench_gpu_names_the_problem():
-    out = _hotswitch("bench", "gpu", "--dry-run", "--configs", "dp8;tp3")
-    assert out.returncode != 0 and "one world size" in out.stderr
-    out = _hotswitch("bench", "gpu", "--dry-run", "--configs", "tp64")
-    assert out.returncode != 0 and "tp=64 does not divide the model's 32 attention heads" in out.stderr
-    out = _hotswitch("bench", "gpu")
-    assert out.returncode == 2 and "needs a CUDA GPU" in out.stdout and "--dry-run" in out.stdout
+def test_bench_gpu_names_the_problem(hotswitch):
+    code, _, err = hotswitch("bench", "gpu", "--dry-run", "--configs", "dp8;tp3")
+    assert code != 0 and "one world size" in err
+    code, _, err = hotswitch("bench", "gpu", "--dry-run", "--configs", "tp64")
+    assert code != 0 and "tp=64 does not divide the model's 32 attention heads" in err
+    code, out, _ = hotswitch("bench", "gpu")
+    assert code == 2 and "needs a CUDA GPU" in out and "--dry-run" in out
