@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pickle
 import warnings
+import weakref
 from dataclasses import dataclass, fields
 
 import torch
@@ -25,7 +26,19 @@ from .trace import LogicGraph
 
 __all__ = ["dumps_logic", "dumps_program", "loads_logic", "loads_program"]
 
-_VERSION = 1
+_VERSION = 2
+
+_GRAPH_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def graph_text(graph: fx.Graph) -> str:
+    """A LogicGraph's (or a stage's) code, part of every cache key naming its lowerings: generated
+    once per graph, which is never edited after tracing (0.25 s for an 8-layer Llama's joint graph:
+    a saved LogicGraph carries its joint's, so a process that loads it does not generate it again)."""
+    text = _GRAPH_TEXT.get(graph)
+    if text is None:
+        text = _GRAPH_TEXT[graph] = graph.python_code("self").src
+    return text
 _SKIPPED_META = ("val", "tensor_meta", "from_node", "original_aten", "eager_input_vals")  # rebuilt or process-local
 
 
@@ -183,19 +196,22 @@ def dumps_logic(logic: LogicGraph) -> bytes:
     encoder = _Encoder()  # one numbering for both graphs: they share sizes
     encoded = {k: _encode_graph(gm, encoder) for k, gm in graphs.items()}
     symbols = symbols_of(encoder.alive)  # every size written is made of these
-    return pickle.dumps((_VERSION, symbols, encoded, rest), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps((_VERSION, symbols, encoded, rest, graph_text(logic.joint.graph)),
+                        protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def loads_logic(data: bytes) -> LogicGraph:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        version, symbols, encoded, rest = pickle.loads(data)
+        version, *parts = pickle.loads(data)
     if version != _VERSION:
         raise ValueError(f"a LogicGraph written by another version of hotswitch ({version}, not {_VERSION})")
+    symbols, encoded, rest, joint_text = parts
     fake_mode, symint = symbolic_fake_mode(symbols)
     symints: dict[int, torch.SymInt] = {}
     made: dict[tuple, torch.Tensor] = {}
     graphs = {k: _decode_graph(*parts, fake_mode, symint, symints, made) for k, parts in encoded.items()}
+    _GRAPH_TEXT[graphs["joint"].graph] = joint_text
     return LogicGraph(**graphs, **rest)
 
 

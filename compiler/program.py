@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import weakref
 from dataclasses import dataclass
 
 import sympy
@@ -32,7 +31,7 @@ from . import _dtensor as dt
 from ._torch import pytree
 from .cache import CompileCache
 from .garbage import collector_paused
-from .logic_io import dumps_program, loads_program
+from .logic_io import dumps_program, graph_text, loads_program
 from .lower import (
     BUCKET_BYTES,
     OutputPlan,
@@ -109,18 +108,6 @@ def _concrete(size, values: dict) -> int:
 def _canonical(decisions: ShardingDecisions) -> str:
     """The decisions as text that is the same in every process (a frozenset's order is not)."""
     return repr((sorted(decisions.ops.items()), sorted(decisions.keep_partial)))
-
-
-_GRAPH_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _graph_text(graph: fx.Graph) -> str:
-    """A LogicGraph's (or a stage's) code, part of every cache key: generated once per graph, which
-    is never edited after tracing (generating it cost as much as a tenth of a small lowering)."""
-    text = _GRAPH_TEXT.get(graph)
-    if text is None:
-        text = _GRAPH_TEXT[graph] = graph.python_code("self").src
-    return text
 
 
 def constants_digest(graph: fx.Graph) -> str:
@@ -221,7 +208,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     specs += [boundary_spec(ph.meta["val"]) for ph in boundary]
     n_acts_in = len(stage.acts_in) if stage is not None else 0
     key = None
-    what = (_graph_text(graph), tuple(mesh.mesh.shape), mesh.mesh_dim_names, dp, cp, where.sp, strict,
+    what = (graph_text(graph), tuple(mesh.mesh.shape), mesh.mesh_dim_names, dp, cp, where.sp, strict,
             [dt.encode_placements(where.param_placements[n]) for n in param_names],
             [(tuple(b.shape), b.dtype) for b in buffers], list(input_dtypes), ndim)
     if decided is None and cache is not None:
