@@ -141,7 +141,8 @@ def check_rows_mixed_across_dp_ranks():
     loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
     errors = (rel_err(loss, loss_ref), max(rel_err(g, grads_ref[n]) for n, g in cm.full_grads().items()))
     uneven = batch(batch=5)
-    return errors, _error(lambda: cm.forward_backward(*cm.shard_inputs(*uneven)))
+    return (errors, _error(lambda: cm.forward_backward(*cm.shard_inputs(*uneven))),
+            _error(lambda: cm.forward_backward(*cm.shard_inputs(*uneven), micro_batches=2)))
 
 
 def check_a_warm_cache_replays_decisions():
@@ -289,12 +290,16 @@ def test_op_without_rule_runs_replicated_when_not_strict(results):
 
 
 def test_rows_mixed_across_dp_ranks_need_an_even_split(results):
-    for errors, message in results["check_rows_mixed_across_dp_ranks"].raise_if_failed():
+    for errors, message, micro_message in results["check_rows_mixed_across_dp_ranks"].raise_if_failed():
         assert max(errors) < 1e-5, errors
-        assert message.startswith("ValueError: 'dp2' combines rows of different data-parallel ranks other than by "
-                                  "a sum, at mean (aten.mean.dim) from "), message
-        assert "h = h - h.mean(dim=0, keepdim=True)" in message and "a global batch of 5 does not split " \
-            "evenly. Use a batch divisible by 2" in message, message
+        for text in (message, micro_message):
+            assert text.startswith("ValueError: 'dp2' combines rows of different data-parallel ranks other than by "
+                                   "a sum, at mean (aten.mean.dim) from "), text
+            assert "h = h - h.mean(dim=0, keepdim=True)" in text, text
+        assert "a global batch of 5 does not split evenly. Use a batch divisible by 2" in message, message
+        # micro-batches (the pipeline's path): ranks of 3 and 2 rows cut into 2 micro-batches each
+        assert "the dp=2 ranks hold equally many rows, and they hold 2 to 3 rows. Use a batch divisible by 2" \
+            in micro_message, micro_message
 
 
 def test_a_warm_cache_replays_decisions(results):

@@ -416,8 +416,8 @@ class CompiledModel:
         shapes = self._global_input_shapes(st, local_inputs)
         self._check_split(st, shapes)
         st.last_shapes = shapes
-        gm = self._checked_rows(st, shapes, self._program(st, tuple(tuple(x.shape) for x in local_inputs),
-                                                          train=True, reduce=True)).joint
+        gm = self._checked_rows(st, self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=True,
+                                                  reduce=True), self._uneven(st, shapes)).joint
         with self._attention(st):
             outs = self._runner(gm, f"{st.config.name}'s training step")(*self._local_params(), *self._buffers,
                                                                           *local_inputs)
@@ -433,8 +433,8 @@ class CompiledModel:
                 return self._pipelined(st, local_inputs, 1, None, 1.0, train=False)
         shapes = self._global_input_shapes(st, local_inputs)
         self._check_split(st, shapes)
-        gm = self._checked_rows(st, shapes, self._program(st, tuple(tuple(x.shape) for x in local_inputs),
-                                                          train=False, reduce=True)).joint
+        gm = self._checked_rows(st, self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=False,
+                                                  reduce=True), self._uneven(st, shapes)).joint
         with torch.no_grad(), self._attention(st):
             return self._runner(gm, f"{st.config.name}'s forward")(*self._local_params(), *self._buffers,
                                                                    *local_inputs)[0]
@@ -748,20 +748,25 @@ class CompiledModel:
             )
 
     @staticmethod
-    def _checked_rows(st: ConfigState, shapes: tuple, program: StageProgram) -> StageProgram:
-        """`program`, unless the dp ranks hold different numbers of rows and it combines rows across
-        them other than by a sum (`compiler.lower.mixes_rows`): each rank lowered it for its own rows
-        times dp, so its collectives would disagree in size (gloo aborts the process) or average
-        wrongly. Every rank raises the same error, before any collective."""
-        batch, dp = shapes[0][0], st.config.dp
-        if dp > 1 and batch % dp and program.mixes_rows:
+    def _checked_rows(st: ConfigState, program: StageProgram, uneven: str | None) -> StageProgram:
+        """`program`, unless the dp ranks hold different numbers of rows (`uneven` says how) and it
+        combines rows across them other than by a sum (`compiler.lower.mixes_rows`): each rank lowered
+        it for its own rows times dp, so its collectives would disagree in size (gloo aborts the
+        process) or average wrongly. Every rank raises the same error, before any collective."""
+        if uneven and program.mixes_rows:
+            dp = st.config.dp
             more = f" (and {len(program.mixes_rows) - 1} more)" if len(program.mixes_rows) > 1 else ""
             raise ValueError(
                 f"{st.config.name!r} combines rows of different data-parallel ranks other than by a sum, at "
                 f"{program.mixes_rows[0]}{more}: a batch statistic, or the batch gathered. That is exact only when "
-                f"the dp={dp} ranks hold equally many rows, and a global batch of {batch} does not split evenly. Use "
-                f"a batch divisible by {dp}, or a config without data parallelism")
+                f"the dp={dp} ranks hold equally many rows, and {uneven}. Use a batch divisible by {dp}, or a "
+                "config without data parallelism")
         return program
+
+    @staticmethod
+    def _uneven(st: ConfigState, shapes: tuple) -> str | None:
+        batch, dp = shapes[0][0], st.config.dp
+        return f"a global batch of {batch} does not split evenly" if dp > 1 and batch % dp else None
 
     def _local_params(self) -> list[torch.Tensor]:
         return [self._local[n] for n in self.logic.param_names]
@@ -856,18 +861,21 @@ class CompiledModel:
         schedule = schedule or self.pipeline_schedule
         if schedule not in SCHEDULES:
             raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}")
-        batch = comm_tensor([local_inputs[0].shape[0]], torch.int64)
-        if k > 1:  # ranks' batches differ (uneven data parallelism): all must refuse, or none
-            dist.all_reduce(batch, op=dist.ReduceOp.MIN)
-        if batch.item() < k:
-            raise ValueError(f"a batch of {batch.item()} rows (the smallest data-parallel part) cannot be cut into {k} "
-                             f"micro-batches: use micro_batches <= {batch.item()} or a larger batch")
+        rows = comm_tensor([local_inputs[0].shape[0], -local_inputs[0].shape[0]], torch.int64)
+        if k > 1 or st.config.dp > 1:  # ranks' batches may differ (uneven data parallelism): all refuse, or none
+            dist.all_reduce(rows, op=dist.ReduceOp.MIN)
+        fewest, most = rows[0].item(), -rows[1].item()
+        if fewest < k:
+            raise ValueError(f"a batch of {fewest} rows (the smallest data-parallel part) cannot be cut into {k} "
+                             f"micro-batches: use micro_batches <= {fewest} or a larger batch")
         if not self.logic.split_loss:
             raise ValueError("micro-batches are weighted by their token counts, so the model must return its loss as a "
                              "sum divided by a count (e.g. a mean cross-entropy); call with micro_batches=1")
         pp = st.config.pp
         micro = list(zip(*(x.tensor_split(k, dim=0) for x in local_inputs)))
-        programs = [self._program(st, tuple(tuple(x.shape) for x in mb), train=train, reduce=False) for mb in micro]
+        uneven = f"they hold {fewest} to {most} rows" if most != fewest else None
+        programs = [self._checked_rows(st, self._program(st, tuple(tuple(x.shape) for x in mb), train=train,
+                                                         reduce=False), uneven) for mb in micro]
         assert all(
             p.deferred_specs[i].placements == programs[0].deferred_specs[i].placements
             for p in programs
