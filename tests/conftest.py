@@ -57,21 +57,25 @@ _MULTI_PROCESS_MODULES = "modules that start gloo processes"
 _RUNNERS = re.compile(r"\b(run_checks|dist_tests|dist_fixture)\b")
 
 
+def unit_of_work(root, module: str) -> str:
+    """The xdist unit of work of test module `module` (a path relative to `root`): the module, or one
+    unit for all modules that start gloo processes through the harness (they name one of its runners)."""
+    path = root / module
+    return _MULTI_PROCESS_MODULES if path.is_file() and _RUNNERS.search(path.read_text()) else module
+
+
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, called in the controlling process
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile``, except that the modules starting gloo processes through the harness (they
-    name one of its runners) are one unit of work between them: one worker runs them one after
-    another, first (xdist queues the unit with the most tests first), while the other workers take
-    the single-process modules. Under plain loadfile a worker given such a module sits blocked on the
-    run lock while another runs: 136 s of a 421 s suite, measured. Other --dist modes: xdist's own."""
+    """``--dist loadfile``, except that the modules starting gloo processes are one unit of work
+    (`unit_of_work`): one worker runs them one after another, first (xdist queues the unit with the
+    most tests first), while the other workers take the single-process modules. Under plain
+    loadfile a worker given such a module sits blocked on the run lock while another runs: 136 s of
+    a 421 s suite, measured. Other --dist modes: xdist's own."""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
 
-    @functools.cache
-    def unit(module: str) -> str:
-        path = config.rootpath / module
-        return _MULTI_PROCESS_MODULES if path.is_file() and _RUNNERS.search(path.read_text()) else module
+    unit = functools.cache(functools.partial(unit_of_work, config.rootpath))
 
     class _GlooRunsTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -225,3 +225,15 @@ def test_checks_must_be_module_level_or_picklable():
         run_checks(2, [lambda: None])
     with pytest.raises(ValueError, match="unique"):
         run_checks(2, [check_all_reduce, check_all_reduce])
+
+
+def test_modules_starting_gloo_processes_are_one_unit_of_work(pytestconfig):
+    """Under `-n auto --dist loadfile` (tests/conftest.py) the modules that start gloo processes run
+    on one worker one after another; every other module is a unit of its own."""
+    from tests.conftest import unit_of_work
+
+    root = pytestconfig.rootpath
+    gloo = unit_of_work(root, "tests/test_harness.py")
+    assert unit_of_work(root, "tests/test_compile_world4.py") == unit_of_work(root, "tests/test_checkpoint.py") == gloo
+    assert unit_of_work(root, "tests/test_trace.py") == "tests/test_trace.py" != gloo
+    assert unit_of_work(root, "tests/test_elastic_world4.py") == "tests/test_elastic_world4.py"  # its own agent
