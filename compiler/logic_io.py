@@ -24,7 +24,7 @@ import torch.fx as fx
 from ._torch import OpOverload, codegen, map_args, symbolic_fake_mode, symbols_of
 from .trace import LogicGraph
 
-__all__ = ["dumps_logic", "dumps_program", "loads_logic", "loads_program"]
+__all__ = ["dumps_logic", "dumps_program", "graph_text", "loads_logic", "loads_program"]
 
 _VERSION = 2
 
@@ -39,6 +39,8 @@ def graph_text(graph: fx.Graph) -> str:
     if text is None:
         text = _GRAPH_TEXT[graph] = graph.python_code("self").src
     return text
+
+
 _SKIPPED_META = ("val", "tensor_meta", "from_node", "original_aten", "eager_input_vals")  # rebuilt or process-local
 
 

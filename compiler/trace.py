@@ -349,6 +349,11 @@ def _forward_of(joint: fx.GraphModule, num_outputs: int) -> fx.GraphModule:
     return fx.GraphModule(joint, g)
 
 
+def _param_nodes(gm: fx.GraphModule, num_params: int) -> set[fx.Node]:
+    """The placeholders of a traced graph's parameters (its first inputs)."""
+    return set([n for n in gm.graph.nodes if n.op == "placeholder"][:num_params])
+
+
 @collector_paused()
 def trace(
     model: torch.nn.Module, example_inputs, dynamic_dims: dict[int, tuple[int, ...]] | None = None
@@ -395,8 +400,7 @@ def trace(
     _merge_tied(exported, param_names, aliases)
     params = [state[n].detach() for n in param_names]
     buffers = [state[n].detach() for n in buffer_names]
-    param_nodes = set([n for n in exported.graph.nodes if n.op == "placeholder"][: len(param_names)])
-    split = _split_loss(exported, param_nodes) or _split_mean_cross_entropy(exported)
+    split = _split_loss(exported, _param_nodes(exported, len(param_names))) or _split_mean_cross_entropy(exported)
     if split:
         # one pass: the joint graph is traced from the exported one, decomposing as it goes, and the
         # forward is the part of it the loss needs (tracing the decomposed forward first, then the
@@ -408,7 +412,7 @@ def trace(
         _fold_static_sizes(fwd, len(param_names) + len(buffer_names))
         _normalize_reduce_dims(fwd)
         _squeeze_one_dim(fwd)
-        split = _split_loss(fwd, set([n for n in fwd.graph.nodes if n.op == "placeholder"][: len(param_names)]))
+        split = _split_loss(fwd, _param_nodes(fwd, len(param_names)))
         fwd.recompile()  # the passes above edit the graph; its code is written once, here
         joint = _make_joint(fwd, len(params), len(buffers))
     return LogicGraph(

@@ -1,4 +1,5 @@
 """Tracing and Megatron role inference, single process: real models we did not write, and ours."""
+import pickletools
 import pytest
 import torch
 
@@ -135,8 +136,6 @@ def test_a_logic_graph_is_written_without_looking_up_memory_formats(ours):
     formats = [a for g in (lg.forward, lg.joint) for n in g.graph.nodes for a in (*n.args, *n.kwargs.values())
                if isinstance(a, torch.memory_format)]
     assert formats  # otherwise this test tests nothing
-    import pickletools
-
     data = dumps_logic(lg)
     names = [arg for op, arg, _ in pickletools.genops(data) if op.name in ("SHORT_BINUNICODE", "BINUNICODE")]
     assert "torch.contiguous_format" not in names  # no global to look up (the saved code may mention it)
