@@ -1,5 +1,6 @@
 """Tracing and Megatron role inference, single process: real models we did not write, and ours."""
 import pickletools
+
 import pytest
 import torch
 
