@@ -31,6 +31,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _dtensor as dt
 from . import attention as _attention
+from . import handoff
 from ._dtensor import OpSchema
 from ._torch import FakeTensorMode, OpOverload, arg_leaves, map_args, op_schema, pytree
 from .tp_rules import VIEW_OPS
@@ -820,6 +821,7 @@ def lower(
             key = ("finish", id(mesh), out_plan, tuple(sharding.output_specs), bucket_bytes, device,
                    tuple(_layout(v.meta["val"]) if isinstance(v, fx.Node) else ("const", repr(v)) for v in leaves))
             program.output(program.inline(key, lambda *values: finish(list(values)), leaves, node))
+            add_hand_offs(program.graph, sharding.output_specs, out_plan, bucket_bytes)
             break
         d = decisions[node]
         if d.kind == "drop":
@@ -859,8 +861,31 @@ def lower(
             env[node] = out
     if reduce_early:
         issue_reductions_early(program.graph)
+        hand_off_early(program.graph)
     wait_where_read(program.graph)
     return program.module()
+
+
+def add_hand_offs(graph: fx.Graph, specs: list, plan: OutputPlan | StageOutputPlan, bucket_bytes: int) -> None:
+    """Before the output of a training program that reduces its gradients (an OutputPlan with
+    parameters; graph outputs (loss, *grads)), one `handoff.gradients_final` call per group of
+    gradients final together: per reduction bucket of the end (`_buckets`, on the unfinished
+    outputs' `specs`), then those no bucket reduces. `hand_off_early` moves them up."""
+    if not isinstance(plan, OutputPlan) or not plan.param_specs:
+        return
+    metas = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype, device="meta") for s in specs]
+    groups = [tuple(i - plan.num_losses for i in bucket if i >= plan.num_losses)
+              for buckets in _buckets(metas, specs, plan.num_losses, bucket_bytes).values() for bucket in buckets]
+    groups = [g for g in groups if g]
+    bucketed = {k for g in groups for k in g}
+    rest = tuple(k for k in range(len(plan.param_specs)) if k not in bucketed)
+    out = next(n for n in graph.nodes if n.op == "output")
+    grads = pytree.tree_leaves(out.args[0])[1:]
+    for indices in groups + ([rest] if rest else []):
+        with graph.inserting_before(out):
+            hook = graph.call_function(handoff.gradients_final, (indices, *[grads[k] for k in indices]))
+        hook.meta = {k: out.meta[k] for k in _SOURCE_META if k in out.meta}
+        hook.meta["custom"] = {**hook.meta.get("custom", {}), "phase": "reduce"}
 
 
 def placed_on(device: torch.device | None):
@@ -1083,6 +1108,44 @@ def wait_where_read(graph: fx.Graph) -> int:
     return moved
 
 
+def hand_off_early(graph: fx.Graph) -> int:
+    """Each gradient bucket's hand-off call (`compiler.handoff`), with the reduce-phase ops it reads
+    (the bucket's wait, split and views, the division by the loss denominator), moves up to right
+    after the next bucket's all-reduce is issued: the bucket's reduction still overlaps the backward
+    until then, and its gradients can leave while the rest of the backward runs. Collectives are
+    never moved, so every rank issues them in the same order as before. Returns how many calls
+    moved. Edits `graph`, as `issue_reductions_early` does."""
+    moved = 0
+    for hook in [n for n in graph.nodes if handoff.is_hand_off(n)]:
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        candidates, stack = set(), [hook]
+        while stack:  # the hook and the reduce-phase ops it reads, up to the collectives
+            n = stack.pop()
+            if n in candidates:
+                continue
+            candidates.add(n)
+            stack += [a for a in n.all_input_nodes if a.op == "call_function" and _is_reduce_phase(a)
+                      and not _is_collective(a)]
+        outside = [a for c in candidates for a in c.all_input_nodes if a not in candidates]
+        anchor = max(outside, key=position.__getitem__, default=None)
+        if anchor is None:
+            continue
+        # behind the next bucket's issue, if one comes before the hook
+        later = [n for n in graph.nodes if position[anchor] < position[n] < position[hook]
+                 and _is_reduce_phase(n) and _is_collective(n) and collective_kind(n) == "all_reduce"]
+        if later:
+            anchor = later[0]
+        chain = sorted((c for c in candidates if position[c] > position[anchor]), key=position.__getitem__)
+        if not chain or position[chain[0]] == position[anchor] + 1 and all(
+                position[b] == position[a] + 1 for a, b in zip(chain, chain[1:])):
+            continue
+        for c in chain:
+            anchor.append(c)
+            anchor = c
+        moved += 1
+    return moved
+
+
 def _is_reduce_phase(node: fx.Node) -> bool:
     return node.meta.get("custom", {}).get("phase") == "reduce"
 
@@ -1110,14 +1173,13 @@ def _partial_dims(spec) -> tuple[int, ...]:
     return tuple(i for i, p in enumerate(spec.placements) if p.is_partial())
 
 
-def _finish(leaves, specs, plan: OutputPlan, mesh, bucket_bytes):
-    """Reduce partial outputs in buckets, divide by the loss denominator, put grads in param layout."""
-    from torch.distributed import _functional_collectives as funcol
-
-    reduced = list(leaves)
-    # Buckets per set of partial mesh dims, gradients in reverse order (the backward produces the
-    # last layers first); the loss numerator/denominator ride along with the first bucket of their kind.
-    order = list(range(len(leaves)))[plan.num_losses:][::-1] + list(range(plan.num_losses))
+def _buckets(leaves, specs, num_losses: int, bucket_bytes: int) -> dict[tuple, list[list[int]]]:
+    """The gradient buckets of a program's end: per set of partial mesh dims, lists of output
+    indices, gradients in reverse order (the backward produces the last layers first). The loss
+    numerator and denominator ride along with the first bucket of their kind, so that every
+    gradient is final (divided by the global denominator) once its own bucket is reduced.
+    `leaves`: the outputs' local values (tensors or meta tensors)."""
+    order = list(range(num_losses)) + list(range(len(leaves)))[num_losses:][::-1]
     groups: dict[tuple, list[list[int]]] = {}
     for i in order:
         dims = _partial_dims(specs[i])
@@ -1125,10 +1187,19 @@ def _finish(leaves, specs, plan: OutputPlan, mesh, bucket_bytes):
             continue
         buckets = groups.setdefault(dims, [[]])
         size = sum(leaves[j].numel() * leaves[j].element_size() for j in buckets[-1])
-        if buckets[-1] and size + leaves[i].numel() * leaves[i].element_size() > bucket_bytes and i >= plan.num_losses:
+        holds_grads = any(j >= num_losses for j in buckets[-1])  # never the loss parts alone
+        if holds_grads and size + leaves[i].numel() * leaves[i].element_size() > bucket_bytes and i >= num_losses:
             buckets.append([])
         buckets[-1].append(i)
-    for dims, buckets in groups.items():
+    return groups
+
+
+def _finish(leaves, specs, plan: OutputPlan, mesh, bucket_bytes):
+    """Reduce partial outputs in buckets, divide by the loss denominator, put grads in param layout."""
+    from torch.distributed import _functional_collectives as funcol
+
+    reduced = list(leaves)
+    for dims, buckets in _buckets(leaves, specs, plan.num_losses, bucket_bytes).items():
         for bucket in buckets:
             flat = torch.cat([leaves[i].reshape(-1) for i in bucket])
             for d in dims:

@@ -289,7 +289,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         if gm is None:
             try:
                 # with the DP reduction inside, its buckets reduced behind the rest of the backward
-                gm = lower(graph, sharding, local, plan, mesh, device=where.device,
+                gm = lower(graph, sharding, local, plan, mesh, BUCKET_BYTES, device=where.device,
                            traced=None if memo is None else memo.setdefault("traced", {}), reduce_early=reduce)
             except BaseException:
                 if shared is not None:

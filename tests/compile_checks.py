@@ -143,7 +143,13 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
     the make_fx interpreter of `tests.reference_lowering`. The first difference per program (None:
     the same graph), in the order the programs were lowered."""
     import hotswitch.compiler.program as program
-    from hotswitch.compiler.lower import BUCKET_BYTES, issue_reductions_early, wait_where_read
+    from hotswitch.compiler.lower import (
+        BUCKET_BYTES,
+        add_hand_offs,
+        hand_off_early,
+        issue_reductions_early,
+        wait_where_read,
+    )
     from tests.reference_lowering import lower_by_make_fx, same_program
 
     found: list[str | None] = []
@@ -154,8 +160,10 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
         gm = original(graph, sharding, local, plan, mesh, bucket_bytes, device=device, traced=traced,
                       reduce_early=reduce_early)
         expected = lower_by_make_fx(graph, sharding, local, plan, mesh, bucket_bytes, device)
+        add_hand_offs(expected.graph, sharding.output_specs, plan, bucket_bytes)
         if reduce_early:  # the graph passes `lower` applies, applied to the interpreter's trace alike
             issue_reductions_early(expected.graph)
+            hand_off_early(expected.graph)
         wait_where_read(expected.graph)
         expected.recompile()
         found.append(same_program(gm, expected))

@@ -144,6 +144,82 @@ def check_prefetched_weights_equal_a_plain_switch():
     return stats.bytes_sent, weights_only, grads_only
 
 
+def check_gradients_handed_off_during_the_backward():
+    """dp2tp2's gradients of a second micro-batch leave for tp4's layout during its backward, bucket
+    by bucket (small buckets here: several), and arrive equal to a plain switch's, bit for bit, and to
+    the single-device sum. A pack fault inside the backward aborts the switch on every rank with the
+    gradients intact; anything touching the gradients first drops the hand-off."""
+    import hotswitch.compiler.program as program
+    from hotswitch.compiler.handoff import is_hand_off
+    from hotswitch.compiler.lower import count_collectives
+
+    cm = _compiled()
+    (a_ids, a_labels), (b_ids, b_labels) = batch(batch=6, seq=10, seed=5), batch(batch=6, seq=10, seed=6)
+    model = make_model("gpt")
+    _, ga = reference(model, a_ids, a_labels)
+    _, gb = reference(model, b_ids, b_labels)
+    saved, program.BUCKET_BYTES = program.BUCKET_BYTES, 64 * 1024  # this shape is new to every rank: lowered anew
+    try:
+        def run(hand_off: bool, fault: set[int] | None = None):
+            cm.switch("dp2tp2")
+            cm.zero_grad()
+            cm.forward_backward(*cm.shard_inputs(a_ids, a_labels))
+            if hand_off:
+                assert cm.hand_off_grads("tp4")
+            pending = cm._hand_off
+            if fault is None:
+                cm.forward_backward(*cm.shard_inputs(b_ids, b_labels))
+                stats = cm.switch("tp4")
+                return {n: g.clone() for n, g in cm.local_grads.items()}, stats, pending
+            with inject_fault("pack", fault):
+                cm.forward_backward(*cm.shard_inputs(b_ids, b_labels))
+            try:
+                cm.switch("tp4")
+            except SwitchAborted:
+                return None, None, pending
+            raise AssertionError("a pack fault during the hand-off did not abort the switch")
+
+        plain, plain_stats, _ = run(False)
+        handed, stats, pending = run(True)
+        gm = cm.exec_graph("dp2tp2", ((6, 10), (6, 10)))
+    finally:
+        program.BUCKET_BYTES = saved
+    assert all(torch.equal(plain[n], handed[n]) for n in plain)
+    grads = cm.full_grads()
+    assert max(rel_err(grads[n], ga[n] + gb[n]) for n in ga) < 1e-5
+    assert stats.bytes_received == plain_stats.bytes_received and stats.bytes_sent == plain_stats.bytes_sent
+    # the program says where: one call per bucket with gradients (the loss parts may ride alone), and
+    # one for gradients no bucket reduces; most of them before the backward's last op
+    nodes = list(gm.graph.nodes)
+    hooks = [i for i, n in enumerate(nodes) if is_hand_off(n)]
+    last_backward = max(i for i, n in enumerate(nodes) if n.meta.get("custom", {}).get("phase") == "backward")
+    buckets = count_collectives(gm, "reduce")["all_reduce"]
+    assert buckets >= 3 and len(hooks) >= buckets - 1, (buckets, len(hooks))
+    # the last two wait for the last bucket, issued after the backward's last op
+    assert sum(i < last_backward for i in hooks) >= len(hooks) - 2 >= 2, (hooks, last_backward)
+    assert pending.sent_during_backward == len(pending.groups) >= 2
+    # a fault while packing inside the backward: every rank aborts, dp2tp2 stays, its gradients whole
+    saved, program.BUCKET_BYTES = program.BUCKET_BYTES, 64 * 1024
+    try:
+        aborted, _, _ = run(True, fault={1})
+    finally:
+        program.BUCKET_BYTES = saved
+    assert aborted is None and cm.active == "dp2tp2"
+    cm.switch("tp4")  # a plain switch of the same gradients
+    assert all(torch.equal(plain[n], g) for n, g in cm.local_grads.items())
+    # zero_grad before the switch drops the hand-off: nothing is left waiting
+    cm.switch("dp2tp2")
+    cm.zero_grad()
+    assert cm.hand_off_grads("tp4")
+    cm.forward_backward(*cm.shard_inputs(a_ids, a_labels))
+    cm.zero_grad()
+    assert cm._hand_off is None
+    cm.switch("tp4")
+    assert cm.local_grads is None
+    assert not cm.hand_off_grads("tp4")  # already there
+    return len(hooks), buckets
+
+
 def check_plans_are_pure_and_identical_on_all_ranks():
     cm = _compiled()
     summaries = {}
@@ -171,8 +247,14 @@ def check_plan_order():
 results = dist_fixture(4, [check_round_trip_bit_exact, check_gradients_accumulate_across_switches,
                            check_failed_switch_keeps_previous_config, check_attached_state_moves_with_switches,
                            check_prefetched_weights_equal_a_plain_switch,
+                           check_gradients_handed_off_during_the_backward,
                            check_plans_are_pure_and_identical_on_all_ranks,
                            check_plan_order], env={"HOTSWITCH_PACK_BACKEND": "torch"})
+
+
+def test_gradients_handed_off_during_the_backward(results):
+    hooks, buckets = results["check_gradients_handed_off_during_the_backward"].raise_if_failed()[0]
+    assert hooks >= buckets - 1
 
 
 def test_round_trip_through_all_configs_is_bit_exact(results):

@@ -267,7 +267,8 @@ def _assert_equivalent(steps, worst_tensor, configs=BUCKET_CONFIGS):
 def test_gpt_with_zero1_equals_single_device_adamw(results):
     steps = results["check_gpt_zero1_matches_single_device"].raise_if_failed()[0]
     _assert_equivalent(steps, worst_tensor=1e-5)
-    assert all(sw.overlapped_seconds == 0 for s in steps for sw in s["report"].switches)  # prefetch=False
+    # prefetch=False: no weights behind compute, no gradients handed off during a backward
+    assert all(sw.overlapped_seconds == 0 and sw.handed_off_bytes == 0 for s in steps for sw in s["report"].switches)
     assert steps[0]["report"].switches[0].source == "dp2tp2"  # the base holds masters and the optimizer
 
 
@@ -279,10 +280,12 @@ def test_hf_llama_equals_single_device_adamw(results):
     _assert_equivalent(steps, worst_tensor=3e-5)
     assert len({s["report"].base for s in steps}) == 1  # chosen on the first step, kept after
     # base -> a -> b -> base, the base's buckets first: a's weights moved while the base computed, b's
-    # while a did; the way back moves only gradients
+    # while a did; the way back moves only gradients, handed off during b's last backward
     for switches in [s["report"].switches for s in steps]:
         assert len(switches) == 3 and all(sw.overlapped_seconds > 0 for sw in switches[:2]), switches
-        assert switches[2].overlapped_seconds == 0
+        assert switches[2].overlapped_seconds == 0 and switches[2].with_grads
+        assert 0 < switches[2].handed_off_bytes <= switches[2].bytes, switches[2]
+        assert all(sw.handed_off_bytes == 0 for sw in switches[:2])
 
 
 def test_memory_budget_moves_long_rows_to_tensor_parallel(results):

@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from hotswitch.compiler._torch import inductor_compile, inductor_default_cache_dir
+from hotswitch.compiler.handoff import strip_hand_offs
 from hotswitch.compiler.program import constants_digest
 
 __all__ = ["BACKENDS", "GraphRunner", "check_backend"]
@@ -107,6 +108,7 @@ class GraphRunner:
         return run
 
     def _compile(self, gm: fx.GraphModule, args: tuple, what: str) -> Callable[..., Any]:
+        gm = strip_hand_offs(gm)  # Inductor calls no Python: its gradients are handed off after the call
         self.progress(f"compiling {what} with Inductor ({len(gm.graph.nodes)} nodes)")
         t0 = time.perf_counter()
         # alike graphs on this host: the first rank compiles, the others wait, then load its result

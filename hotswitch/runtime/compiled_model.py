@@ -18,8 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from hotswitch.compiler import _dtensor as dt
+from hotswitch.compiler import program as lowering  # BUCKET_BYTES read when used (tests lower it)
 from hotswitch.compiler.cache import default_cache
 from hotswitch.compiler.garbage import collector_paused
+from hotswitch.compiler.handoff import handing_off
 from hotswitch.compiler.lower import ShardingDecisions
 from hotswitch.compiler.program import StageMesh, StageProgram, lower_program
 from hotswitch.compiler.signature import ModelCall
@@ -31,7 +33,7 @@ from hotswitch.distributed.device import comm_tensor, runtime_device, synchroniz
 from hotswitch.runtime.backend import GraphRunner
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
 from hotswitch.runtime.shared import JobOnce, SharedCache, trace_once
-from hotswitch.switch.executor import BackgroundMove, SwitchStats, execute_plan
+from hotswitch.switch.executor import BackgroundMove, GradientHandoff, SwitchAborted, SwitchStats, execute_plan
 from hotswitch.switch.order import OrderPlan, plan_order
 from hotswitch.switch.planner import PlanCache, SwitchPlan, TensorMove
 from hotswitch.switch.state import StateKind, split_key, state_key
@@ -137,6 +139,8 @@ class CompiledModel:
         self._propagation_memo: dict[str, dict] = {}
         self._prefetch: BackgroundMove | None = None  # the next config's weights, moving in the background
         self._prefetch_group = None  # its process group (made on first use): apart from the ExecGraphs'
+        self._hand_off: GradientHandoff | None = None  # gradients moving into the next config during a backward
+        self._hand_off_group = None  # its process group (made on first use)
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
             self.exec_graph(c.name, shapes)
@@ -190,16 +194,22 @@ class CompiledModel:
         step). Only gradients and attached states then move."""
         st = self._state(name)
         prefetched = self._take_prefetch(name)
+        t0 = time.perf_counter()
+        handed = self._take_hand_off(name)
         if name == self._active:
             return SwitchStats(name, name, algorithm, 0.0, 0, 0)
-        t0 = time.perf_counter()
-        overlapped, sent, received = 0.0, 0, 0
+        overlapped, sent, received, handed_off = 0.0, 0, 0, 0
         if weights is None and prefetched is not None:
             (weights, sent, received), overlapped = prefetched
         if weights is not None:
             self._check_weights(name, weights)
         kinds = self._moving_kinds()
         new = {}
+        if handed is not None:  # the gradients left during the last backward: what arrived is theirs
+            grads, s, r, handed_off = handed
+            new.update({state_key(StateKind.GRAD, n): g for n, g in grads.items()})
+            sent, received = sent + s, received + r
+            kinds = tuple(k for k in kinds if k != StateKind.GRAD)
         move_weights = weights is None
         if move_weights or kinds:
             plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads=StateKind.GRAD in kinds,
@@ -208,8 +218,9 @@ class CompiledModel:
             for kind in kinds:
                 old.update({state_key(kind, n): t for n, t in self._kind(kind).items()})
             src, dst = self._layouts(self._active, kinds, move_weights), self._layouts(name, kinds, move_weights)
-            new, s, r = execute_plan(plan, old, src, dst, self.rank, dtypes={m: self._dtype(m) for m in dst},
-                                     device=self.device)
+            moved, s, r = execute_plan(plan, old, src, dst, self.rank, dtypes={m: self._dtype(m) for m in dst},
+                                       device=self.device)
+            new.update(moved)
             sent, received = sent + s, received + r
         if weights is not None:
             new.update(weights)
@@ -223,7 +234,7 @@ class CompiledModel:
                                         if state_key(kind, n) in new}
         synchronize(self.device)  # the received buffers are unpacked (CUDA queues the work) before the clock
         self.last_switch = SwitchStats(
-            self._active, st.config.name, algorithm, time.perf_counter() - t0, sent, received, overlapped
+            self._active, st.config.name, algorithm, time.perf_counter() - t0, sent, received, overlapped, handed_off
         )
         self._active = name
         return self.last_switch
@@ -245,6 +256,52 @@ class CompiledModel:
         self._prefetch = BackgroundMove(name, plan, dict(self._local), self._layouts(self._active), dst, self.rank,
                                         self._prefetch_group, dtypes={m: self._dtype(m) for m in dst},
                                         device=self.device)
+
+    def hand_off_grads(self, name: str, algorithm: str = "greedy") -> bool:
+        """Move the gradients into config `name`'s layout during the next forward_backward: its
+        ExecGraph hands each reduction bucket's gradients off once they are final (`compiler.handoff`),
+        so they travel while the rest of the backward runs; the following `switch(name)` waits for them
+        and moves only the rest (the weights unless given or prefetched, attached states). Same numbers
+        as a switch after the backward. The gradients must not change in between: whatever touches
+        them first (another forward_backward, `accumulate_grads`, `zero_grad`, a switch elsewhere)
+        completes the hand-off and drops it, and a later switch moves them as usual. Returns False,
+        arming nothing, where it does not apply: `name` is active, the active config is pipelined,
+        the plan relays. Call on every rank."""
+        self._state(name)
+        self._settle_hand_off()
+        if name == self._active or self._states[self._active].config.pp > 1:
+            return False
+        plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads=True, weights=False)
+        if not GradientHandoff.supports(plan):
+            return False
+        if self._hand_off_group is None:  # a collective: every rank makes it at its first hand-off
+            self._hand_off_group = dist.new_group(list(range(self.world_size)))
+        grads = (StateKind.GRAD,)
+        src, dst = self._layouts(self._active, grads, False), self._layouts(name, grads, False)
+        self._hand_off = GradientHandoff(
+            name, plan, list(self.logic.param_names), {n: state_key(StateKind.GRAD, n) for n in self.logic.param_names},
+            src, dst, self.rank, self._hand_off_group, dtypes={m: self._dtype(m) for m in dst},
+            accumulated=lambda: self._grads or {}, device=self.device,
+            group_bytes=lowering.BUCKET_BYTES // 4)
+        return True
+
+    def _take_hand_off(self, name: str):
+        """The gradients handed off into `name` during the last forward_backward as (grads, sent,
+        received, sent during that backward), or None; a hand-off elsewhere (or not run yet) is
+        completed and dropped."""
+        pending = self._hand_off
+        if pending is None or pending.destination != name or not pending.ran:
+            self._settle_hand_off()
+            return None
+        self._hand_off = None
+        return (*pending.finish(), pending.bytes_during_backward)
+
+    def _settle_hand_off(self) -> None:
+        """Complete a pending hand-off and drop what it moved (every rank has its messages under way)."""
+        pending, self._hand_off = self._hand_off, None
+        if pending is not None:
+            with contextlib.suppress(SwitchAborted):
+                pending.finish()
 
     def _take_prefetch(self, name: str | None):
         """The finished prefetch into `name` as ((weights, sent, received), seconds), or None; a
@@ -410,6 +467,10 @@ class CompiledModel:
         """
         local_inputs = self._on_device(self.call.flatten(args, kwargs, what="forward_backward"))
         st = self._states[self._active]
+        handoff = self._hand_off
+        if handoff is not None and (handoff.ran or micro_batches != 1 or st.config.pp > 1):
+            self._settle_hand_off()  # these gradients change after it was armed: moved by the switch instead
+            handoff = None
         if micro_batches != 1 or st.config.pp > 1:
             with self._attention(st):
                 return self._pipelined(st, local_inputs, micro_batches, schedule, grad_scale, train=True)
@@ -418,10 +479,26 @@ class CompiledModel:
         st.last_shapes = shapes
         gm = self._checked_rows(st, self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=True,
                                                   reduce=True), self._uneven(st, shapes)).joint
-        with self._attention(st):
-            outs = self._runner(gm, f"{st.config.name}'s training step")(*self._local_params(), *self._buffers,
-                                                                          *local_inputs)
-        self._add_grads(dict(zip(self.logic.param_names, outs[1:])), grad_scale)
+        run = self._runner(gm, f"{st.config.name}'s training step")
+        if handoff is None:
+            with self._attention(st):
+                outs = run(*self._local_params(), *self._buffers, *local_inputs)
+            self._add_grads(dict(zip(self.logic.param_names, outs[1:])), grad_scale)
+            return outs[0].detach()
+        names = self.logic.param_names
+        handed: set[str] = set()
+
+        def final(indices: tuple[int, ...], grads: tuple[torch.Tensor, ...]) -> None:
+            mine = [names[k] for k in indices]
+            self._add_grads(dict(zip(mine, grads)), grad_scale)
+            handed.update(mine)
+            handoff.final(mine)
+
+        with self._attention(st), handing_off(final):
+            outs = run(*self._local_params(), *self._buffers, *local_inputs)
+        handoff.ran = True
+        # a graph without hooks (Inductor's) hands nothing off: the switch sends those gradients
+        self._add_grads({n: g for n, g in zip(names, outs[1:]) if n not in handed}, grad_scale)
         return outs[0].detach()
 
     def __call__(self, *args, **kwargs) -> torch.Tensor:
@@ -459,11 +536,13 @@ class CompiledModel:
         return [*self._local_params(), *self._buffers, *local_inputs]
 
     def zero_grad(self) -> None:
+        self._settle_hand_off()
         self._grads = None
 
     def accumulate_grads(self, grads: dict[str, torch.Tensor]) -> None:
         """Add gradients given as this rank's shards in the active layout (ones set aside earlier
         in the same step, say) to the accumulated ones."""
+        self._settle_hand_off()
         self._add_grads(grads, 1.0)
 
     def set_local_params(self, local: dict[str, torch.Tensor]) -> None:

@@ -14,6 +14,7 @@ HotSPa's execution, with an atomic commit:
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from hotswitch.distconfig import Layout
 from hotswitch.distributed.device import comm_tensor, runtime_device
 from hotswitch.kernels import pack, unpack
 from hotswitch.switch.planner import SwitchPlan, Transfer
+from hotswitch.switch.state import split_key
 
 
 class SwitchAborted(RuntimeError):
@@ -41,6 +43,7 @@ class SwitchStats:
     bytes_sent: int
     bytes_received: int
     overlapped_seconds: float = 0.0  # moved in the background (a prefetch) while the source config computed
+    handed_off_bytes: int = 0  # of bytes_sent: gradients sent during the backward that made them final
 
 
 class BackgroundMove:
@@ -72,6 +75,155 @@ class BackgroundMove:
         if self._error is not None:
             raise self._error
         return self._out
+
+
+class GradientHandoff:
+    """The gradients' part of a switch, started during the backward that makes them final.
+
+    Armed before a config's last forward_backward of a step with the plan moving gradients (only)
+    into the next config. That call's ExecGraph says where each reduction bucket's gradients are final
+    (`compiler.handoff`); the caller adds them to the accumulated ones (`accumulated()` returns those)
+    and calls `final(names)`, which, once every gradient of a send group is final on this rank, packs
+    the group's slices and sends them: `isend` on a process group of its own, one message
+    per (peer, group, dtype), tagged, so that groups may complete in any order. Groups are runs of
+    parameters in reverse order (the backward's) of about `group_bytes` (global sizes: the same
+    groups on every rank).
+    All receives are posted when armed. `finish()` sends what no hook sent (a graph without hooks,
+    Inductor's), waits, unpacks, copies this rank's local pieces, and agrees as `execute_plan` does: a
+    failure on any rank raises SwitchAborted everywhere, with the accumulated gradients untouched in
+    the source layout. A rank that fails to pack still sends (zeros) so that no peer waits forever.
+    Plans with a relay stage are not handed off (`supports`)."""
+
+    def __init__(self, destination: str, plan: SwitchPlan, param_names: list[str], keys: dict[str, str],
+                 src: dict[str, Layout], dst: dict[str, Layout], rank: int, group,
+                 dtypes: dict[str, torch.dtype], accumulated, device: torch.device | None = None,
+                 group_bytes: int = 4 * 2**20):
+        if not self.supports(plan):
+            raise ValueError("a plan with a relay stage cannot be handed off during the backward")
+        self.destination, self.plan, self.rank, self.group = destination, plan, rank, group
+        self.keys, self.src, self.dst, self.dtypes = keys, src, dst, dtypes  # param -> plan tensor name
+        self._accumulated = accumulated
+        self.device = device if device is not None else runtime_device(group)
+        self.error: BaseException | None = None
+        self.ran = False  # the armed forward_backward has run (its gradients are what moves)
+        self.sent_during_backward = 0  # groups sent by the ExecGraph's hooks, before finish()
+        self.bytes_during_backward = 0
+        self.groups: list[list[str]] = []  # plan tensor names per send group
+        size = 0
+        for n in reversed(param_names):
+            key = keys[n]
+            if not self.groups or size >= group_bytes:
+                self.groups.append([])
+                size = 0
+            self.groups[-1].append(key)
+            size += math.prod(src[key].global_shape) * dtypes[key].itemsize
+        self.group_of = {key: g for g, keys_ in enumerate(self.groups) for key in keys_}
+        self._waiting = [set(keys_) for keys_ in self.groups]  # not final yet, per group
+        self._sent = [False] * len(self.groups)
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self.bytes_sent = self.bytes_received = 0
+        self._recvs: list[tuple[dist.Work, torch.Tensor, list[Transfer]]] = []
+        for peer, transfers in plan.receives(rank).items():
+            for tag, dtype, part in self._messages(transfers):
+                buf = torch.empty(sum(_volume(t) for t in part), dtype=dtype, device=self.device)
+                self._recvs.append((dist.irecv(buf, peer, group=group, tag=tag), buf, part))
+                self.bytes_received += buf.numel() * buf.element_size()
+
+    @staticmethod
+    def supports(plan: SwitchPlan) -> bool:
+        return plan.stages == 1 and plan.algorithm != "gather"
+
+    def _messages(self, transfers: list[Transfer]) -> list[tuple[int, torch.dtype, list[Transfer]]]:
+        """One peer's transfers as messages, (tag, dtype, transfers) per (group, dtype), listed alike
+        by the sender and the receiver."""
+        kinds = sorted({str(d) for d in self.dtypes.values()})
+        parts: dict[int, list[Transfer]] = {}
+        for t in transfers:
+            tag = self.group_of[t.tensor] * len(kinds) + kinds.index(str(self.dtypes[t.tensor]))
+            parts.setdefault(tag, []).append(t)
+        return [(tag, self.dtypes[part[0].tensor], part) for tag, part in sorted(parts.items())]
+
+    def final(self, names: list[str]) -> None:
+        """The accumulated gradients of parameters `names` are final (the ExecGraph's hook, once the
+        caller has added that call's gradients): send each group that is now complete."""
+        for n in names:
+            key = self.keys[n]
+            g = self.group_of[key]
+            self._waiting[g].discard(key)
+            if not self._waiting[g] and not self._sent[g]:
+                before = self.bytes_sent
+                self._send(g)
+                self.sent_during_backward += 1
+                self.bytes_during_backward += self.bytes_sent - before
+
+    def _send(self, g: int) -> None:
+        self._sent[g] = True
+        grads = None
+        for peer, transfers in self.plan.by_peer(self.rank).items():
+            mine = [t for t in transfers if self.group_of[t.tensor] == g]
+            for tag, dtype, part in self._messages(mine):
+                buf = None
+                if self.error is None:
+                    try:
+                        grads = self._accumulated() if grads is None else grads
+                        pieces = []
+                        for t in part:
+                            grad = grads[_param(t.tensor)]
+                            if grad.dtype != dtype:
+                                raise TypeError(f"{t.tensor} is accumulated in {grad.dtype}, planned as {dtype}")
+                            pieces.append((grad, t.src_local(self.src[t.tensor])))
+                        _maybe_fail("pack", self.rank)
+                        buf = pack(pieces)
+                    except Exception as e:  # noqa: BLE001 - reported by finish() on every rank
+                        self.error = e
+                if buf is None:  # the peer still gets its message: it must not wait forever
+                    buf = torch.zeros(sum(_volume(t) for t in part), dtype=dtype, device=self.device)
+                self._sends.append((dist.isend(buf, peer, group=self.group, tag=tag), buf))
+                self.bytes_sent += buf.numel() * buf.element_size()
+
+    def finish(self) -> tuple[dict[str, torch.Tensor], int, int]:
+        """(new gradients by parameter name in the destination layout, bytes sent, bytes received);
+        raises SwitchAborted on every rank if any rank failed."""
+        for g in range(len(self.groups)):
+            if not self._sent[g]:
+                self._send(g)
+        for work, _ in self._sends:
+            work.wait()
+        for work, _, _ in self._recvs:
+            work.wait()
+        new: dict[str, torch.Tensor] = {}
+        try:
+            if self.error is not None:
+                raise self.error
+            grads = self._accumulated()
+            written = {t.tensor for _, _, part in self._recvs for t in part}
+            for key, layout in self.dst.items():
+                if not layout.mesh.contains(self.rank):
+                    continue
+                old = grads.get(_param(key))
+                if old is not None and key not in written and self.src[key].mesh.contains(self.rank) \
+                        and self.src[key].box(self.rank) == layout.box(self.rank):
+                    new[key] = old  # the same piece, nothing arrives
+                else:
+                    new[key] = torch.empty(layout.local_shape(self.rank), dtype=self.dtypes[key], device=self.device)
+            for t in self.plan.local_copies_of(self.rank):
+                old = grads[_param(t.tensor)]
+                if new[t.tensor] is not old:
+                    new[t.tensor][t.dst_local(self.dst[t.tensor])] = old[t.src_local(self.src[t.tensor])]
+            for _, buf, part in self._recvs:
+                unpack(buf, [(new[t.tensor], t.dst_local(self.dst[t.tensor])) for t in part])
+            _maybe_fail("unpack", self.rank)
+        except Exception as e:  # noqa: BLE001
+            self.error = e
+        if not _agree(self.error is None, self.group):
+            raise SwitchAborted(f"switch aborted: the gradients handed off during the backward did not arrive "
+                                f"whole (rank {self.rank}: {self.error!r}); the previous config is still active"
+                                ) from self.error
+        return {_param(k): v for k, v in new.items()}, self.bytes_sent, self.bytes_received
+
+
+def _param(key: str) -> str:
+    return split_key(key)[1]
 
 
 _FAULTS: dict[str, set[int] | None] = {}

@@ -61,6 +61,7 @@ class SwitchReport:
     seconds: float  # exposed: the slowest rank's wait in the switch itself
     with_grads: bool
     overlapped_seconds: float = 0.0  # the slowest rank's weight move in the background (prefetch)
+    handed_off_bytes: int = 0  # gradients sent during the backward that made them final (all ranks)
 
 
 @dataclass(frozen=True)
@@ -145,7 +146,9 @@ class Trainer:
     (default bfloat16 on GPU, float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks;
     default: off, unless a chosen base needs it to fit the budget, or the search's choice under "auto"),
     `prefetch` (default on: while a config computes, the weights of the step's next config move in
-    the background, within the memory budget), `progress(message)` for long phases, `strict`
+    the background, within the memory budget; the last config before the base hands its gradients
+    off to the base's layout during its last backward, bucket by bucket as they become final),
+    `progress(message)` for long phases, `strict`
     (default False: an op DTensor cannot shard at some micro-batch shape, e.g. GQA's head
     regrouping with one row under tp > kv heads, runs replicated with a warning instead of failing;
     results stay exact), `logic` (the LogicGraph of an
@@ -313,20 +316,26 @@ class Trainer:
                 with_grads = self.cm.local_grads is not None
                 stats = self.cm.switch(config, weights=base_weights if config == self.base else None)
                 switches.append((stats.source, stats.destination, stats.bytes_sent, stats.seconds, with_grads,
-                                 stats.overlapped_seconds))
+                                 stats.overlapped_seconds, stats.handed_off_bytes))
             following = visits[i + 1] if i + 1 < len(visits) else self.base
             if following not in (config, self.base) and self._may_prefetch(config, following, buckets, chosen):
                 self.cm.prefetch(following)
             if config in ran:
                 continue
             ran.add(config)
-            for k, bucket in enumerate(buckets):
-                if chosen[k] != config:
-                    continue
+            mine = [k for k in range(len(buckets)) if chosen[k] == config]
+            # the last config before the base hands its gradients off to the base's layout during its
+            # last backward, as they become final
+            hand_off = self.prefetch and following == self.base and config != self.base
+            for k in mine:
+                bucket = buckets[k]
                 t0 = time.perf_counter()
                 rows = self.rows_per_micro_batch(self.config(config), bucket.high)
                 bucket_micro[k] = math.ceil(len(bucket.rows) / rows)
-                for mb, weight in D.weighted_micro_batches(sequences, bucket, rows, total_targets):
+                micro = list(D.weighted_micro_batches(sequences, bucket, rows, total_targets))
+                for j, (mb, weight) in enumerate(micro):
+                    if hand_off and k == mine[-1] and j == len(micro) - 1:
+                        self.cm.hand_off_grads(self.base)
                     local = self.cm.shard_inputs(*(x.to(self.cm.device) for x in self._inputs(mb.inputs)))
                     loss += float(self.cm.forward_backward(*local, grad_scale=weight)) * weight
                 synchronize(self.cm.device)
@@ -346,7 +355,7 @@ class Trainer:
         times = comm_tensor([seconds, optimizer_seconds, *bucket_seconds, *(s[3] for s in switches),
                              *(s[5] for s in switches)], torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
-        sent = comm_tensor([s[2] for s in switches] or [0], torch.float64)
+        sent = comm_tensor([*(s[2] for s in switches), *(s[6] for s in switches)] or [0], torch.float64)
         dist.all_reduce(sent)
         times = times.tolist()
         nb = len(buckets)
@@ -369,7 +378,8 @@ class Trainer:
                 for k, b in enumerate(buckets)
             ),
             switches=tuple(
-                SwitchReport(s[0], s[1], int(sent[i]), times[2 + nb + i], s[4], times[2 + nb + len(switches) + i])
+                SwitchReport(s[0], s[1], int(sent[i]), times[2 + nb + i], s[4], times[2 + nb + len(switches) + i],
+                             int(sent[len(switches) + i]))
                 for i, s in enumerate(switches)
             ),
             profile_seconds=profile_seconds,
