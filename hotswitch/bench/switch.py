@@ -8,9 +8,10 @@ torch.distributed.checkpoint save + load that reshards on load (to /dev/shm when
 
 Between two pp = 1 configs a switch is also measured as a training step meets it, after one
 forward + backward of the source config (`compute`): weights and accumulated gradients switched
-plainly ("greedy+grads"), and with the weights prefetched while that forward + backward ran
-("greedy+grads prefetched": its time is the exposed part, the gradients' move and the wait for the
-prefetch; `overlapped_seconds` is what moved behind the compute).
+plainly ("greedy+grads"), and with the weights prefetched while that forward + backward ran and
+the gradients handed off bucket by bucket as its backward made them final ("greedy+grads
+prefetched": its time is the exposed part, the wait for both and the unpacking; `overlapped_seconds`
+is the weights' move behind the compute).
 
 Pipeline configs (pp > 1) are among the defaults: a switch across pipeline degrees moves whole layers
 between devices (their parameters live only on their stage's devices) through the same planner and
@@ -110,7 +111,8 @@ def worker(rank: int, model_name: str, config_specs, repeats: int, batch: int, s
 
 def _behind_compute(cm, a: str, b: str, batch: tuple, repeats: int) -> list[dict]:
     """A step's switch from `a` to `b` after a forward + backward under `a`: plain, and with the
-    weights prefetched during that forward + backward (exposed and overlapped seconds, slowest rank)."""
+    weights prefetched during that forward + backward and the gradients handed off as its backward
+    makes them final (exposed and overlapped seconds, slowest rank)."""
     out = []
     for prefetch in (False, True):
         exposed, overlapped, computing = [], [], []
@@ -121,6 +123,7 @@ def _behind_compute(cm, a: str, b: str, batch: tuple, repeats: int) -> list[dict
             dist.barrier()
             if prefetch:
                 cm.prefetch(b)
+                cm.hand_off_grads(b)
             t0 = time.perf_counter()
             cm.forward_backward(*local)
             t1 = time.perf_counter()

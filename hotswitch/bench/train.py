@@ -46,7 +46,8 @@ def run(opts: TrainOptions, budget_fraction: float, json_path: str) -> int:
         print(f"\nhot switching {h['tokens_per_second']:,.0f} tokens/s vs the best static config that fits "
               f"({out['best_static']}) {b['tokens_per_second']:,.0f} tokens/s: ratio {out['ratio']:.2f}x; "
               f"exposed switching takes {100 * h['switch_share']:.1f}% of the hot step time "
-              f"({h['switch_seconds']:.3f} s; {h['overlapped_switch_seconds']:.3f} s more moved behind compute)")
+              f"({h['switch_seconds']:.3f} s; {h['overlapped_switch_seconds']:.3f} s more moved behind compute, "
+              f"and {h['handed_off_bytes'] / 1e6:.1f} MB of gradients during the backward that made them final)")
     write_json(json_path, out)
     print(f"{'' if json_path == '-' else f'wrote {json_path} '}(total {out['seconds']:.0f} s)")
     return 0

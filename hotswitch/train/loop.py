@@ -144,6 +144,7 @@ class TrainingRun:
             tokens_per_second=sum(r.tokens for r in reports) / seconds,
             switch_share=switch / seconds,  # exposed: what the steps waited for
             overlapped_switch_seconds=overlapped,  # weights prefetched while another config computed
+            handed_off_bytes=sum(r.handed_off_bytes for r in reports),  # gradients sent during a backward
             final_loss=reports[-1].loss,
             losses=[r.loss for r in reports],
         )

@@ -88,6 +88,11 @@ class StepReport:
         return sum(s.overlapped_seconds for s in self.switches)
 
     @property
+    def handed_off_bytes(self) -> int:
+        """Gradients sent during the backward that made them final (all ranks)."""
+        return sum(s.handed_off_bytes for s in self.switches)
+
+    @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else math.inf
 
