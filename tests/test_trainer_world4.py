@@ -280,12 +280,13 @@ def test_hf_llama_equals_single_device_adamw(results):
     _assert_equivalent(steps, worst_tensor=3e-5)
     assert len({s["report"].base for s in steps}) == 1  # chosen on the first step, kept after
     # base -> a -> b -> base, the base's buckets first: a's weights moved while the base computed, b's
-    # while a did; the way back moves only gradients, handed off during b's last backward
+    # while a did; the way back moves only gradients, handed off during b's last backward (a's to b
+    # during a's, where any leave the rank); the base's own gradients stay where they are
     for switches in [s["report"].switches for s in steps]:
         assert len(switches) == 3 and all(sw.overlapped_seconds > 0 for sw in switches[:2]), switches
         assert switches[2].overlapped_seconds == 0 and switches[2].with_grads
         assert 0 < switches[2].handed_off_bytes <= switches[2].bytes, switches[2]
-        assert all(sw.handed_off_bytes == 0 for sw in switches[:2])
+        assert switches[0].handed_off_bytes == 0 and switches[1].handed_off_bytes <= switches[1].bytes
 
 
 def test_memory_budget_moves_long_rows_to_tensor_parallel(results):

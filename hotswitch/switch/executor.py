@@ -92,7 +92,7 @@ class GradientHandoff:
     Inductor's), waits, unpacks, copies this rank's local pieces, and agrees as `execute_plan` does: a
     failure on any rank raises SwitchAborted everywhere, with the accumulated gradients untouched in
     the source layout. A rank that fails to pack still sends (zeros) so that no peer waits forever.
-    Plans with a relay stage are not handed off (`supports`)."""
+    Plans with a relay stage, or with nothing to send, are not handed off (`supports`)."""
 
     def __init__(self, destination: str, plan: SwitchPlan, param_names: list[str], keys: dict[str, str],
                  src: dict[str, Layout], dst: dict[str, Layout], rank: int, group,
@@ -131,7 +131,9 @@ class GradientHandoff:
 
     @staticmethod
     def supports(plan: SwitchPlan) -> bool:
-        return plan.stages == 1 and plan.algorithm != "gather"
+        """Plans it can run: one stage, pieces kept whole, and something to send (a switch that only
+        slices local pieces gains nothing from starting early)."""
+        return plan.stages == 1 and plan.algorithm != "gather" and len(plan.transfer_array) > 0
 
     def _messages(self, transfers: list[Transfer]) -> list[tuple[int, torch.dtype, list[Transfer]]]:
         """One peer's transfers as messages, (tag, dtype, transfers) per (group, dtype), listed alike

@@ -151,8 +151,8 @@ class Trainer:
     (default bfloat16 on GPU, float32 on CPU), `zero1` (shard optimizer states over the base's dp ranks;
     default: off, unless a chosen base needs it to fit the budget, or the search's choice under "auto"),
     `prefetch` (default on: while a config computes, the weights of the step's next config move in
-    the background, within the memory budget; the last config before the base hands its gradients
-    off to the base's layout during its last backward, bucket by bucket as they become final),
+    the background, within the memory budget; and a config's gradients leave for the next config's
+    layout during its last backward, bucket by bucket as they become final),
     `progress(message)` for long phases, `strict`
     (default False: an op DTensor cannot shard at some micro-batch shape, e.g. GQA's head
     regrouping with one row under tp > kv heads, runs replicated with a warning instead of failing;
@@ -329,9 +329,9 @@ class Trainer:
                 continue
             ran.add(config)
             mine = [k for k in range(len(buckets)) if chosen[k] == config]
-            # the last config before the base hands its gradients off to the base's layout during its
-            # last backward, as they become final
-            hand_off = self.prefetch and following == self.base and config != self.base
+            # a config hands its gradients off to the next config's layout during its last backward,
+            # as they become final (the base's own buckets run first: their gradients stay)
+            hand_off = self.prefetch and following != config and not (base_first and config == self.base)
             for k in mine:
                 bucket = buckets[k]
                 t0 = time.perf_counter()
@@ -340,7 +340,7 @@ class Trainer:
                 micro = list(D.weighted_micro_batches(sequences, bucket, rows, total_targets))
                 for j, (mb, weight) in enumerate(micro):
                     if hand_off and k == mine[-1] and j == len(micro) - 1:
-                        self.cm.hand_off_grads(self.base)
+                        self.cm.hand_off_grads(following)
                     local = self.cm.shard_inputs(*(x.to(self.cm.device) for x in self._inputs(mb.inputs)))
                     loss += float(self.cm.forward_backward(*local, grad_scale=weight)) * weight
                 synchronize(self.cm.device)
