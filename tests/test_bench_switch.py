@@ -29,6 +29,6 @@ def test_switches_behind_compute_are_compared_with_plain_ones_not_with_weights_o
     assert abs(summary["gather"]["greedy_over_method_total"] - 120.0 / 220.0) < 1e-12
     table = format_table(RESULT)
     # exposed prefetched / plain per pair: 120/300 = 0.4 and 40/50 = 0.8, median 0.6
-    assert "over 2 pairs: exposed with the weights prefetched / plain 0.60 (median); 170.0 ms moved behind " \
-           "compute in all, against 350.0 ms of plain switches" in table
+    assert "over 2 pairs: exposed with the weights prefetched and the gradients handed off / plain 0.60 " \
+           "(median); 170.0 ms moved behind compute in all, against 350.0 ms of plain switches" in table
     assert table.splitlines()[5].split()[-2:] == ["120.00", "150.00"]  # exposed, and moved behind compute
