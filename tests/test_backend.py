@@ -84,3 +84,26 @@ def test_alike_graphs_compile_once_per_host(tmp_path):
     assert (first.computed, first.received, second.computed, second.received) == (1, 0, 0, 1)
     assert counters["inductor"]["fxgraph_cache_hit"] == hits + 1  # the second compile was a cache hit
     torch.testing.assert_close(outs[0], outs[1])
+
+
+def test_inductor_compiles_a_graph_with_hand_offs_without_them(tmp_path):
+    """A training graph's hand-off calls (compiler.handoff) are Python: Inductor gets the graph
+    without them, compiles it (no fallback), and an armed handler is never called from it."""
+    from hotswitch.compiler.handoff import gradients_final, handing_off, is_hand_off
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.mul.Tensor, (x, 3.0))
+    g.call_function(gradients_final, ((0,), y))
+    g.output((y,))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    gm.graph.eliminate_dead_code()
+    assert sum(is_hand_off(n) for n in gm.graph.nodes) == 1  # side-effecting: never dead code
+    calls = []
+    with handing_off(lambda indices, grads: calls.append(indices)):
+        gm(torch.ones(2))  # eager: the hook runs
+        assert calls == [(0,)]
+        runner = GraphRunner("inductor", cache_directory=tmp_path)
+        (out,) = runner(gm, "a step with hand-offs")(torch.ones(2))
+    torch.testing.assert_close(out, torch.full((2,), 3.0))
+    assert runner.compiled == 1 and runner.fallbacks == [] and calls == [(0,)]
