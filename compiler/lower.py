@@ -48,6 +48,9 @@ _FRESH_OPS = _LIKE_OPS | {aten.new_zeros.default, aten.new_empty.default, aten.n
                           aten.new_ones.default, aten.zeros.default, aten.full.default, aten.empty.memory_format,
                           aten.ones.default, aten.scalar_tensor.default}
 _ADD_OPS = {aten.add.Tensor, aten.sub.Tensor}
+# Views whose size argument DTensor rewrites into the local shape of their output: replayed at another
+# input shape with the local shape of the output there (`_replay`), not searched again.
+_RESIZE_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
@@ -111,18 +114,19 @@ class GraphSharding:
     def placements(self) -> ShardingDecisions:
         """What was decided, without shapes: per searched op, the placements it wants its tensor
         inputs in and the placements it produces."""
-        ops = {}
-        for node, d in self.decisions.items():
-            if d.kind == "op" and d.replayable:
-                # one output: its placements (a tuple); several: a list of those (None: not a tensor)
-                out = [None if o is None else o.placements for o in d.out_spec] \
-                    if isinstance(d.out_spec, (tuple, list)) else d.out_spec.placements
-                encoded = dt.encode_placements((tuple(w.placements for w in d.want_specs), out))
-                if _mentions(encoded, ("SS",)):
-                    encoded = _relative_strided(d)
-                if encoded is not None:
-                    ops[node.name] = encoded
-        return ShardingDecisions(ops, frozenset(n.name for n in self.keep_partial))
+        ops = {node.name: _encoded(d) for node, d in self.decisions.items() if d.kind == "op" and d.replayable}
+        return ShardingDecisions({k: v for k, v in ops.items() if v is not None},
+                                 frozenset(n.name for n in self.keep_partial))
+
+
+def _encoded(d: Decision) -> tuple | None:
+    """A replayable decision's placements as plain values (`ShardingDecisions.ops`), or None when
+    they hold a _StridedShard that is not written relative to an input (`_relative_strided`)."""
+    # one output: its placements (a tuple); several: a list of those (None: not a tensor)
+    out = [None if o is None else o.placements for o in d.out_spec] \
+        if isinstance(d.out_spec, (tuple, list)) else d.out_spec.placements
+    encoded = dt.encode_placements((tuple(w.placements for w in d.want_specs), out))
+    return _relative_strided(d) if _mentions(encoded, ("SS",)) else encoded
 
 
 def reads_coordinate(sharding: GraphSharding, graph: fx.Graph, mesh_dim: int, extra: tuple = ()) -> bool:
@@ -275,8 +279,9 @@ class ShardingDecisions:
     its tensor inputs, placements of its output). The graph is symbolic in batch and sequence, and
     these placements do not depend on them, so lowering the graph for another input shape replays
     them (a fake run per op for the new global shapes) instead of running DTensor's strategy search
-    again; ops whose arguments DTensor rewrites for its choice (views), and ops with a _StridedShard
-    (whose split factor is a shape), are propagated anew. Plain
+    again. A view whose size DTensor rewrote into its output's local shape gets that local shape at
+    the new size (`_RESIZE_OPS`); other ops whose arguments DTensor rewrites for its choice, and ops
+    with a _StridedShard (whose split factor is a shape), are propagated anew. Plain
     values: picklable, kept per config in memory and in the persistent cache (`hotswitch.compiler.cache`)."""
 
     ops: dict[str, tuple]
@@ -333,7 +338,7 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
         d = _replay(node, decided.ops.get(node.name), mesh, specs, values) if decided is not None else None
         if d is None:
             d = _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded=cp_axis is not None)
-            if d.replayable:
+            if d.replayable and d.kind == "op" and _encoded(d) is not None:
                 searched.append(node.name)
         else:
             replayed += 1
@@ -385,9 +390,18 @@ def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
                          for p, m in zip(out, metas))
     else:
         out_spec = dt.make_spec(mesh, out, metas)
-    want_specs = [dt.DTensorSpec(mesh, w, specs[n].tensor_meta) for n, w in zip(tensor_nodes, want)]
+        if node.target in _RESIZE_OPS:  # the view's size, as DTensor rewrote it: the output's local shape
+            args = (args[0], list(dt.local_shape(out_spec)))
+    # an input wanted as it arrives keeps its spec (building one costs more than the rest of a replay)
+    want_specs = [specs[n] if _as_it_arrives(w, specs[n]) else dt.DTensorSpec(mesh, w, specs[n].tensor_meta)
+                  for n, w in zip(tensor_nodes, want)]
     return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes], want_specs=want_specs,
                     args=args, kwargs=kwargs, out_spec=out_spec, replayable=True)
+
+
+def _as_it_arrives(placements, spec) -> bool:
+    """Wanted in the placements it has (and no _MaskPartial, whose objects must be the fresh ones)."""
+    return tuple(placements) == tuple(spec.placements) and not any(isinstance(p, dt.MaskPartial) for p in placements)
 
 
 def _partials_to_keep(graph: fx.Graph, partial: set[fx.Node]) -> set[fx.Node]:
@@ -500,9 +514,10 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
                 rewritten = redo is not None and out.use_val_from_redistribute_schema
                 if rewritten:
                     args, kwargs = redo.args_schema, redo.kwargs_schema
+                resized = rewritten and _sized_as_output(target, args, kwargs, out.output_spec)
                 return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
                                 want_specs=want, args=args, kwargs=kwargs, out_spec=out.output_spec,
-                                replayable=not rewritten and len(want) == len(tensor_nodes))
+                                replayable=(not rewritten or resized) and len(want) == len(tensor_nodes))
             error = RuntimeError("no output sharding")
     if error is None:
         problem = f"no sharding rule for {target}"
@@ -518,6 +533,12 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
         raise ShardingError(message)
     warnings.warn("hotswitch: " + message, stacklevel=2)
     return _fallback(node, mesh, specs, tensor_nodes, args, kwargs)
+
+
+def _sized_as_output(target, args, kwargs, out_spec) -> bool:
+    """Did DTensor rewrite only this view's size, into its output's local shape (`_RESIZE_OPS`)?"""
+    return (target in _RESIZE_OPS and not kwargs and len(args) == 2 and isinstance(args[0], dt.DTensorSpec)
+            and isinstance(out_spec, dt.DTensorSpec) and list(args[1]) == list(dt.local_shape(out_spec)))
 
 
 def _is_fresh(node: fx.Node) -> bool:

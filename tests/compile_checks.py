@@ -132,8 +132,9 @@ def replay_equals_fresh(kind: str, config, seqs=(SEQ, 20), **overrides) -> dict:
         coll = [(str(n.target), tuple(a for a in n.args[1:] if not isinstance(a, str))) for n in collectives(gm)]
         cm.zero_grad()
         loss = cm.forward_backward(*cm.shard_inputs(*later))
+        anew = Counter(str(n.target) for n, d in sharding.decisions.items() if d.kind == "op" and not d.replayable)
         out[label] = dict(placements=placements, collectives=coll, loss=float(loss), replayed=sharding.replayed,
-                          searched=sharding.searched,
+                          searched=sharding.searched, anew=anew,
                           grads={k: v.clone() for k, v in cm.full_grads().items()})
     return out
 

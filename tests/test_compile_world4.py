@@ -72,8 +72,11 @@ def check_wrong_device_count():
 
 
 def check_replayed_decisions_equal_a_fresh_lowering():
-    """A new sequence length under a 2-D mesh replays the first length's decisions (no strategy search)."""
-    return replay_equals_fresh("llama", hs.DistConfig("dp2tp2", dp=2, tp=2))
+    """A new sequence length replays the first length's decisions (no strategy search): under a 2-D
+    mesh, and under sequence parallelism, where views of sequence-sharded activations get their
+    local sizes at the new length."""
+    return {name: replay_equals_fresh("llama", config) for name, config in
+            (("dp2tp2", hs.DistConfig("dp2tp2", dp=2, tp=2)), ("tp4sp", hs.DistConfig("tp4sp", tp=4, sp=True)))}
 
 
 def check_dp_ranks_lower_one_program():
@@ -167,16 +170,18 @@ def test_wrong_device_count_names_problem_and_fix(results):
 
 
 def test_a_new_length_replays_decisions_and_equals_a_fresh_lowering(results):
-    ranks = results["check_replayed_decisions_equal_a_fresh_lowering"].raise_if_failed()
-    # the fresh lowering searched on one rank; the others replayed what it found (hotswitch.runtime.shared)
-    assert sum(out["fresh"]["replayed"] == 0 for out in ranks) == 1
-    for out in ranks:
-        replayed, fresh = out["replayed"], out["fresh"]
-        assert replayed["replayed"] > 100 and replayed["searched"] == ()  # no strategy search at the new length
-        assert replayed["placements"] == fresh["placements"]
-        assert replayed["collectives"] == fresh["collectives"] and fresh["collectives"]
-        assert replayed["loss"] == fresh["loss"]
-        assert all(torch.equal(replayed["grads"][k], v) for k, v in fresh["grads"].items())
+    everyone = results["check_replayed_decisions_equal_a_fresh_lowering"].raise_if_failed()
+    for config in ("dp2tp2", "tp4sp"):
+        ranks = [r[config] for r in everyone]
+        # the fresh lowering searched on one rank; the others replayed what it found (hotswitch.runtime.shared)
+        assert sum(out["fresh"]["replayed"] == 0 for out in ranks) == 1, config
+        for out in ranks:
+            replayed, fresh = out["replayed"], out["fresh"]
+            assert replayed["replayed"] > 100 and replayed["searched"] == ()  # no strategy search at the new length
+            assert replayed["placements"] == fresh["placements"]
+            assert replayed["collectives"] == fresh["collectives"] and fresh["collectives"]
+            assert replayed["loss"] == fresh["loss"]
+            assert all(torch.equal(replayed["grads"][k], v) for k, v in fresh["grads"].items())
 
 
 def test_dp_ranks_lower_one_program_for_all(results):
