@@ -129,13 +129,23 @@ def check_budget_keeps_long_rows_off_pure_dp():
     steps = _steps_against(trainer, batches, ref)
     report = steps[0]["report"]
     table = {(p["config"], p["length"]): p for p in trainer.cost.table()}
+    # a hand-off (tp4sp's gradients leaving for dp4 during its backward) holds both layouts of the
+    # gradients meanwhile: allowed where that fits the budget at the bucket's profiled peak, not just short of it
+    long_bucket = D.make_buckets([bounds[-1]], bounds)[0]
+    peak = probes[("tp4sp", bounds[-1])].peak_with(trainer.state_bytes("tp4sp"))
+    extra = trainer.grad_bytes("tp4sp") + trainer.grad_bytes("dp4")
+    hand_off = {}
+    for room in (extra, extra - 1):
+        trainer.memory_budget_bytes = peak + room
+        hand_off[room == extra] = trainer._may_hand_off("tp4sp", "dp4", long_bucket, prefetching=False)
     trainer.memory_budget_bytes = 1  # nothing fits: a clear error, nothing run
     try:
         trainer.step(batches[0])
         error = None
     except NoConfigFits as e:
         error = str(e)
-    return dict(probes=probes, bounds=bounds, budget=budget, report=report, error=error, table=table, steps=steps)
+    return dict(probes=probes, bounds=bounds, budget=budget, report=report, error=error, table=table, steps=steps,
+                hand_off=hand_off)
 
 
 def check_llama_with_automatic_buckets_matches_single_device():
@@ -301,6 +311,7 @@ def test_memory_budget_moves_long_rows_to_tensor_parallel(results):
     assert out["table"][("dp4", longest)]["fits"] is False and out["table"][("tp4sp", longest)]["fits"] is True
     assert math.isfinite(report.loss) and report.tokens > 0
     assert "no config fits rows of" in out["error"] and "raise memory_budget_bytes" in out["error"]
+    assert out["hand_off"] == {True: True, False: False}
 
 
 def test_budget_after_profiling_equals_single_device_adamw(results):

@@ -323,7 +323,9 @@ class Trainer:
                 switches.append((stats.source, stats.destination, stats.bytes_sent, stats.seconds, with_grads,
                                  stats.overlapped_seconds, stats.handed_off_bytes))
             following = visits[i + 1] if i + 1 < len(visits) else self.base
-            if following not in (config, self.base) and self._may_prefetch(config, following, buckets, chosen):
+            prefetching = following not in (config, self.base) and self._may_prefetch(config, following, buckets,
+                                                                                     chosen)
+            if prefetching:
                 self.cm.prefetch(following)
             if config in ran:
                 continue
@@ -331,7 +333,7 @@ class Trainer:
             mine = [k for k in range(len(buckets)) if chosen[k] == config]
             # a config hands its gradients off to the next config's layout during its last backward,
             # as they become final (the base's own buckets run first: their gradients stay)
-            hand_off = self.prefetch and following != config and not (base_first and config == self.base)
+            hand_off = following != config and not (base_first and config == self.base)
             for k in mine:
                 bucket = buckets[k]
                 t0 = time.perf_counter()
@@ -339,7 +341,8 @@ class Trainer:
                 bucket_micro[k] = math.ceil(len(bucket.rows) / rows)
                 micro = list(D.weighted_micro_batches(sequences, bucket, rows, total_targets))
                 for j, (mb, weight) in enumerate(micro):
-                    if hand_off and k == mine[-1] and j == len(micro) - 1:
+                    if hand_off and k == mine[-1] and j == len(micro) - 1 and \
+                            self._may_hand_off(config, following, bucket, prefetching):
                         self.cm.hand_off_grads(following)
                     local = self.cm.shard_inputs(*(x.to(self.cm.device) for x in self._inputs(mb.inputs)))
                     loss += float(self.cm.forward_backward(*local, grad_scale=weight)) * weight
@@ -618,6 +621,26 @@ class Trainer:
         state = self.state_bytes(config)
         probes = [self.cost.probes.get((config, b.high)) for k, b in enumerate(buckets) if chosen[k] == config]
         return all(p is not None and p.peak_with(state) + extra <= budget for p in probes)
+
+    def grad_bytes(self, name: str) -> int:
+        """This config's fp32 gradient accumulators per rank (the largest over ranks)."""
+        return max(sum(layout.numel(d) for layout in self.cm.layouts(name).values()) * 4
+                   for d in range(dist.get_world_size()))
+
+    def _may_hand_off(self, config: str, following: str, bucket, prefetching: bool) -> bool:
+        """Whether `config`'s gradients may leave for `following`'s layout during its last backward
+        (the micro-batch of `bucket`): asked for (`prefetch`), and within the budget with what the
+        hand-off holds meanwhile, at most the gradients in both layouts (packed sends, posted
+        receives), besides the weights of a prefetch into `following` (`prefetching`)."""
+        if not self.prefetch:
+            return False
+        budget = self.memory_budget_bytes
+        if budget is None:
+            return True
+        extra = self.grad_bytes(config) + self.grad_bytes(following) + (self.weight_bytes(following) if prefetching
+                                                                         else 0)
+        probe = self.cost.probes.get((config, bucket.high))
+        return probe is not None and probe.peak_with(self.state_bytes(config)) + extra <= budget
 
     # ------------------------------------------------------------------------------------ internals
     def config(self, name: str) -> DistConfig:
