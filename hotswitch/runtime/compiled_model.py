@@ -140,7 +140,7 @@ class CompiledModel:
         self._prefetch: BackgroundMove | None = None  # the next config's weights, moving in the background
         self._prefetch_group = None  # its process group (made on first use): apart from the ExecGraphs'
         self._hand_off: GradientHandoff | None = None  # gradients moving into the next config during a backward
-        self._hand_off_group = None  # its process group (made on first use)
+        self._hand_off_groups = None  # its process groups (made on first use; see GradientHandoff)
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
             self.exec_graph(c.name, shapes)
@@ -274,13 +274,13 @@ class CompiledModel:
         plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads=True, weights=False)
         if not GradientHandoff.supports(plan):
             return False
-        if self._hand_off_group is None:  # a collective: every rank makes it at its first hand-off
-            self._hand_off_group = dist.new_group(list(range(self.world_size)))
+        if self._hand_off_groups is None:  # collectives: every rank makes them at its first hand-off
+            self._hand_off_groups = tuple(dist.new_group(list(range(self.world_size))) for _ in range(2))
         grads = (StateKind.GRAD,)
         src, dst = self._layouts(self._active, grads, False), self._layouts(name, grads, False)
         self._hand_off = GradientHandoff(
             name, plan, list(self.logic.param_names), {n: state_key(StateKind.GRAD, n) for n in self.logic.param_names},
-            src, dst, self.rank, self._hand_off_group, dtypes={m: self._dtype(m) for m in dst},
+            src, dst, self.rank, self._hand_off_groups, dtypes={m: self._dtype(m) for m in dst},
             accumulated=lambda: self._grads or {}, device=self.device,
             group_bytes=lowering.BUCKET_BYTES // 4)
         return True

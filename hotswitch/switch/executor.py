@@ -84,26 +84,29 @@ class GradientHandoff:
     into the next config. That call's ExecGraph says where each reduction bucket's gradients are final
     (`compiler.handoff`); the caller adds them to the accumulated ones (`accumulated()` returns those)
     and calls `final(names)`, which, once every gradient of a send group is final on this rank, packs
-    the group's slices and sends them: `isend` on a process group of its own, one message
-    per (peer, group, dtype), tagged, so that groups may complete in any order. Groups are runs of
-    parameters in reverse order (the backward's) of about `group_bytes` (global sizes: the same
-    groups on every rank).
-    All receives are posted when armed. `finish()` sends what no hook sent (a graph without hooks,
+    the group's slices and sends them with `isend`, one message per (peer, group, dtype). Groups are
+    runs of parameters in reverse order (the backward's) of about `group_bytes` (global sizes: the
+    same groups on every rank), sent in that order (a group final early waits for the ones before
+    it), so that every pair of ranks sends and receives its messages in one order, as NCCL requires.
+    All receives are posted when armed, on two process groups of their own (`groups`): messages to a
+    higher rank on the first, to a lower one on the second. NCCL runs a communicator's operations in
+    order on one stream, so a rank's posted receives would otherwise hold up its sends, and two
+    ranks waiting for each other would wait forever. `finish()` sends what no hook sent (a graph without hooks,
     Inductor's), waits, unpacks, copies this rank's local pieces, and agrees as `execute_plan` does: a
     failure on any rank raises SwitchAborted everywhere, with the accumulated gradients untouched in
     the source layout. A rank that fails to pack still sends (zeros) so that no peer waits forever.
     Plans with a relay stage, or with nothing to send, are not handed off (`supports`)."""
 
     def __init__(self, destination: str, plan: SwitchPlan, param_names: list[str], keys: dict[str, str],
-                 src: dict[str, Layout], dst: dict[str, Layout], rank: int, group,
+                 src: dict[str, Layout], dst: dict[str, Layout], rank: int, groups: tuple,
                  dtypes: dict[str, torch.dtype], accumulated, device: torch.device | None = None,
                  group_bytes: int = 4 * 2**20):
         if not self.supports(plan):
             raise ValueError("a plan with a relay stage cannot be handed off during the backward")
-        self.destination, self.plan, self.rank, self.group = destination, plan, rank, group
+        self.destination, self.plan, self.rank, self.process_groups = destination, plan, rank, groups
         self.keys, self.src, self.dst, self.dtypes = keys, src, dst, dtypes  # param -> plan tensor name
         self._accumulated = accumulated
-        self.device = device if device is not None else runtime_device(group)
+        self.device = device if device is not None else runtime_device(groups[0])
         self.error: BaseException | None = None
         self.ran = False  # the armed forward_backward has run (its gradients are what moves)
         self.sent_during_backward = 0  # groups sent by the ExecGraph's hooks, before finish()
@@ -119,15 +122,19 @@ class GradientHandoff:
             size += math.prod(src[key].global_shape) * dtypes[key].itemsize
         self.group_of = {key: g for g, keys_ in enumerate(self.groups) for key in keys_}
         self._waiting = [set(keys_) for keys_ in self.groups]  # not final yet, per group
-        self._sent = [False] * len(self.groups)
+        self._next = 0  # the first group not sent yet
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self.bytes_sent = self.bytes_received = 0
         self._recvs: list[tuple[dist.Work, torch.Tensor, list[Transfer]]] = []
         for peer, transfers in plan.receives(rank).items():
             for tag, dtype, part in self._messages(transfers):
                 buf = torch.empty(sum(_volume(t) for t in part), dtype=dtype, device=self.device)
-                self._recvs.append((dist.irecv(buf, peer, group=group, tag=tag), buf, part))
+                self._recvs.append((dist.irecv(buf, peer, group=self._towards(peer, rank), tag=tag), buf, part))
                 self.bytes_received += buf.numel() * buf.element_size()
+
+    def _towards(self, sender: int, receiver: int):
+        """The process group of messages from `sender` to `receiver` (see the class doc)."""
+        return self.process_groups[0 if receiver > sender else 1]
 
     @staticmethod
     def supports(plan: SwitchPlan) -> bool:
@@ -150,16 +157,15 @@ class GradientHandoff:
         caller has added that call's gradients): send each group that is now complete."""
         for n in names:
             key = self.keys[n]
-            g = self.group_of[key]
-            self._waiting[g].discard(key)
-            if not self._waiting[g] and not self._sent[g]:
-                before = self.bytes_sent
-                self._send(g)
-                self.sent_during_backward += 1
-                self.bytes_during_backward += self.bytes_sent - before
+            self._waiting[self.group_of[key]].discard(key)
+        before = self.bytes_sent
+        while self._next < len(self.groups) and not self._waiting[self._next]:
+            self._send(self._next)
+            self.sent_during_backward += 1
+        self.bytes_during_backward += self.bytes_sent - before
 
     def _send(self, g: int) -> None:
-        self._sent[g] = True
+        self._next = g + 1
         grads = None
         for peer, transfers in self.plan.by_peer(self.rank).items():
             mine = [t for t in transfers if self.group_of[t.tensor] == g]
@@ -180,15 +186,14 @@ class GradientHandoff:
                         self.error = e
                 if buf is None:  # the peer still gets its message: it must not wait forever
                     buf = torch.zeros(sum(_volume(t) for t in part), dtype=dtype, device=self.device)
-                self._sends.append((dist.isend(buf, peer, group=self.group, tag=tag), buf))
+                self._sends.append((dist.isend(buf, peer, group=self._towards(self.rank, peer), tag=tag), buf))
                 self.bytes_sent += buf.numel() * buf.element_size()
 
     def finish(self) -> tuple[dict[str, torch.Tensor], int, int]:
         """(new gradients by parameter name in the destination layout, bytes sent, bytes received);
         raises SwitchAborted on every rank if any rank failed."""
-        for g in range(len(self.groups)):
-            if not self._sent[g]:
-                self._send(g)
+        while self._next < len(self.groups):
+            self._send(self._next)
         for work, _ in self._sends:
             work.wait()
         for work, _, _ in self._recvs:
@@ -217,7 +222,7 @@ class GradientHandoff:
             _maybe_fail("unpack", self.rank)
         except Exception as e:  # noqa: BLE001
             self.error = e
-        if not _agree(self.error is None, self.group):
+        if not _agree(self.error is None, self.process_groups[0]):
             raise SwitchAborted(f"switch aborted: the gradients handed off during the backward did not arrive "
                                 f"whole (rank {self.rank}: {self.error!r}); the previous config is still active"
                                 ) from self.error
