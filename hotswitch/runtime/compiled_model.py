@@ -266,10 +266,12 @@ class CompiledModel:
         them first (another forward_backward, `accumulate_grads`, `zero_grad`, a switch elsewhere)
         completes the hand-off and drops it, and a later switch moves them as usual. Returns False,
         arming nothing, where it does not apply: `name` is active, the active config is pipelined,
-        the plan relays. Call on every rank."""
+        the plan relays or sends nothing, or the job runs on NCCL (point-to-point messages during a
+        backward have not run on a GPU yet: there the switch moves the gradients after it, as
+        before). Call on every rank."""
         self._state(name)
         self._settle_hand_off()
-        if name == self._active or self._states[self._active].config.pp > 1:
+        if name == self._active or self._states[self._active].config.pp > 1 or dist.get_backend() != "gloo":
             return False
         plan = self.plan_switch(self._active, name, algorithm=algorithm, with_grads=True, weights=False)
         if not GradientHandoff.supports(plan):
