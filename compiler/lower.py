@@ -390,13 +390,26 @@ def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
                          for p, m in zip(out, metas))
     else:
         out_spec = dt.make_spec(mesh, out, metas)
-        if node.target in _RESIZE_OPS:  # the view's size, as DTensor rewrote it: the output's local shape
-            args = (args[0], list(dt.local_shape(out_spec)))
     # an input wanted as it arrives keeps its spec (building one costs more than the rest of a replay)
     want_specs = [specs[n] if _as_it_arrives(w, specs[n]) else dt.DTensorSpec(mesh, w, specs[n].tensor_meta)
                   for n, w in zip(tensor_nodes, want)]
+    if node.target in _RESIZE_OPS:  # the view's size, as DTensor rewrote it: the output's local shape
+        if not (_evenly_sharded(out_spec) and _evenly_sharded(want_specs[0])):
+            return None  # uneven pieces at this shape: DTensor decides it again
+        args = (args[0], list(dt.local_shape(out_spec)))
     return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes], want_specs=want_specs,
                     args=args, kwargs=kwargs, out_spec=out_spec, replayable=True)
+
+
+def _evenly_sharded(spec) -> bool:
+    """Does every rank hold a piece of the same shape (each sharded dim divisible by its ranks, and
+    a _StridedShard's also by its split factor)?"""
+    ways: dict[int, int] = {}
+    for i, p in enumerate(spec.placements):
+        if isinstance(p, (dt.Shard, dt.StridedShard)):
+            factor = p.split_factor if isinstance(p, dt.StridedShard) else 1
+            ways[p.dim] = ways.get(p.dim, 1) * spec.mesh.size(i) * factor
+    return all(spec.shape[d] % w == 0 for d, w in ways.items())
 
 
 def _as_it_arrives(placements, spec) -> bool:

@@ -75,8 +75,11 @@ def check_replayed_decisions_equal_a_fresh_lowering():
     """A new sequence length replays the first length's decisions (no strategy search): under a 2-D
     mesh, and under sequence parallelism, where views of sequence-sharded activations get their
     local sizes at the new length."""
-    return {name: replay_equals_fresh("llama", config) for name, config in
-            (("dp2tp2", hs.DistConfig("dp2tp2", dp=2, tp=2)), ("tp4sp", hs.DistConfig("tp4sp", tp=4, sp=True)))}
+    tp4sp = hs.DistConfig("tp4sp", tp=4, sp=True)
+    out = {name: replay_equals_fresh("llama", config) for name, config in
+           (("dp2tp2", hs.DistConfig("dp2tp2", dp=2, tp=2)), ("tp4sp", tp4sp))}
+    out["tp4sp uneven"] = replay_equals_fresh("llama", tp4sp, seqs=(12, 18))  # 18 tokens on 4 ranks
+    return out
 
 
 def check_dp_ranks_lower_one_program():
@@ -171,13 +174,17 @@ def test_wrong_device_count_names_problem_and_fix(results):
 
 def test_a_new_length_replays_decisions_and_equals_a_fresh_lowering(results):
     everyone = results["check_replayed_decisions_equal_a_fresh_lowering"].raise_if_failed()
-    for config in ("dp2tp2", "tp4sp"):
+    for config in ("dp2tp2", "tp4sp", "tp4sp uneven"):
         ranks = [r[config] for r in everyone]
         # the fresh lowering searched on one rank; the others replayed what it found (hotswitch.runtime.shared)
         assert sum(out["fresh"]["replayed"] == 0 for out in ranks) == 1, config
         for out in ranks:
             replayed, fresh = out["replayed"], out["fresh"]
-            assert replayed["replayed"] > 100 and replayed["searched"] == ()  # no strategy search at the new length
+            assert replayed["replayed"] > 100
+            if config == "tp4sp uneven":  # views of uneven pieces are searched again, not replayed
+                assert any(name.startswith("view") for name in replayed["searched"]), replayed["searched"]
+            else:
+                assert replayed["searched"] == ()  # no strategy search at the new length
             assert replayed["placements"] == fresh["placements"]
             assert replayed["collectives"] == fresh["collectives"] and fresh["collectives"]
             assert replayed["loss"] == fresh["loss"]
