@@ -52,6 +52,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from hotswitch.compiler.lower import BUCKET_BYTES  # the compiler's gradient bucket: one all-reduce each
 from hotswitch.compiler.tp_rules import heads_sharded
 from hotswitch.distconfig import DistConfig, Topology
 from hotswitch.switch.cluster import describe_model, split_stages
@@ -62,7 +63,6 @@ from .workload import Workload
 __all__ = ["Estimate", "Hardware", "Rates", "Work", "calibrate", "calibrate_switches", "estimate", "micro_batch_work",
            "optimizer_seconds", "rows_per_replica"]
 
-BUCKET_BYTES = 25 * 2**20  # the compiler's gradient bucket (DDP's default): one all-reduce each
 GRAD_ACCUMULATOR_BYTES = 4  # fp32 gradient accumulators (Trainer: cm.grad_dtype = float32)
 ADAM_BYTES = 8  # two fp32 moments per parameter
 MASTER_BYTES = 4  # fp32 master weights, when compute is not fp32
