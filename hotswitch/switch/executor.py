@@ -88,8 +88,8 @@ class GradientHandoff:
     runs of parameters in reverse order (the backward's) of about `group_bytes` (global sizes: the
     same groups on every rank), sent in that order (a group final early waits for the ones before
     it), so that every pair of ranks sends and receives its messages in one order, as NCCL requires.
-    All receives are posted when armed, on two process groups of their own (`groups`): messages to a
-    higher rank on the first, to a lower one on the second. NCCL runs a communicator's operations in
+    All receives are posted when armed, on two process groups of their own (`process_groups`):
+    messages to a higher rank on the first, to a lower one on the second. NCCL runs a communicator's operations in
     order on one stream, so a rank's posted receives would otherwise hold up its sends, and two
     ranks waiting for each other would wait forever. `finish()` sends what no hook sent (a graph without hooks,
     Inductor's), waits, unpacks, copies this rank's local pieces, and agrees as `execute_plan` does: a
@@ -98,15 +98,17 @@ class GradientHandoff:
     Plans with a relay stage, or with nothing to send, are not handed off (`supports`)."""
 
     def __init__(self, destination: str, plan: SwitchPlan, param_names: list[str], keys: dict[str, str],
-                 src: dict[str, Layout], dst: dict[str, Layout], rank: int, groups: tuple,
+                 src: dict[str, Layout], dst: dict[str, Layout], rank: int, process_groups: tuple,
                  dtypes: dict[str, torch.dtype], accumulated, device: torch.device | None = None,
                  group_bytes: int = 4 * 2**20):
         if not self.supports(plan):
-            raise ValueError("a plan with a relay stage cannot be handed off during the backward")
-        self.destination, self.plan, self.rank, self.process_groups = destination, plan, rank, groups
+            raise ValueError("this plan cannot be handed off during the backward: it relays, moves whole source "
+                             "boxes (gather) or sends nothing (see GradientHandoff.supports)")
+        self.destination, self.plan, self.rank = destination, plan, rank
+        self.process_groups = process_groups
         self.keys, self.src, self.dst, self.dtypes = keys, src, dst, dtypes  # param -> plan tensor name
         self._accumulated = accumulated
-        self.device = device if device is not None else runtime_device(groups[0])
+        self.device = device if device is not None else runtime_device(process_groups[0])
         self.error: BaseException | None = None
         self.ran = False  # the armed forward_backward has run (its gradients are what moves)
         self.sent_during_backward = 0  # groups sent by the ExecGraph's hooks, before finish()
