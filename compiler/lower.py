@@ -1150,6 +1150,9 @@ def hand_off_early(graph: fx.Graph) -> int:
     never moved, so every rank issues them in the same order as before. Returns how many calls
     moved. Edits `graph`, as `issue_reductions_early` does."""
     moved = 0
+    # bucket reductions, in issue order (collectives never move here, so neither does that order)
+    issues = [n for n in graph.nodes
+              if _is_reduce_phase(n) and _is_collective(n) and collective_kind(n) == "all_reduce"]
     for hook in [n for n in graph.nodes if handoff.is_hand_off(n)]:
         position = {n: i for i, n in enumerate(graph.nodes)}
         candidates, stack = set(), [hook]
@@ -1165,8 +1168,7 @@ def hand_off_early(graph: fx.Graph) -> int:
         if anchor is None:
             continue
         # behind the next bucket's issue, if one comes before the hook
-        later = [n for n in graph.nodes if position[anchor] < position[n] < position[hook]
-                 and _is_reduce_phase(n) and _is_collective(n) and collective_kind(n) == "all_reduce"]
+        later = [n for n in issues if position[anchor] < position[n] < position[hook]]
         if later:
             anchor = later[0]
         chain = sorted((c for c in candidates if position[c] > position[anchor]), key=position.__getitem__)

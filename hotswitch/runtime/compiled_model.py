@@ -481,14 +481,8 @@ class CompiledModel:
         st.last_shapes = shapes
         gm = self._checked_rows(st, self._program(st, tuple(tuple(x.shape) for x in local_inputs), train=True,
                                                   reduce=True), self._uneven(st, shapes)).joint
-        run = self._runner(gm, f"{st.config.name}'s training step")
-        if handoff is None:
-            with self._attention(st):
-                outs = run(*self._local_params(), *self._buffers, *local_inputs)
-            self._add_grads(dict(zip(self.logic.param_names, outs[1:])), grad_scale)
-            return outs[0].detach()
         names = self.logic.param_names
-        handed: set[str] = set()
+        handed: set[str] = set()  # gradients the ExecGraph's hooks added (and handed off) already
 
         def final(indices: tuple[int, ...], grads: tuple[torch.Tensor, ...]) -> None:
             mine = [names[k] for k in indices]
@@ -496,10 +490,12 @@ class CompiledModel:
             handed.update(mine)
             handoff.final(mine)
 
-        with self._attention(st), handing_off(final):
+        run = self._runner(gm, f"{st.config.name}'s training step")
+        with self._attention(st), handing_off(final) if handoff is not None else contextlib.nullcontext():
             outs = run(*self._local_params(), *self._buffers, *local_inputs)
-        handoff.ran = True
-        # a graph without hooks (Inductor's) hands nothing off: the switch sends those gradients
+        if handoff is not None:
+            handoff.ran = True
+        # the rest (all of them unarmed; under Inductor, whose graphs have no hooks): the switch sends those
         self._add_grads({n: g for n, g in zip(names, outs[1:]) if n not in handed}, grad_scale)
         return outs[0].detach()
 

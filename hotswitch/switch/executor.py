@@ -205,20 +205,9 @@ class GradientHandoff:
             if self.error is not None:
                 raise self.error
             grads = self._accumulated()
+            old = {key: grads[_param(key)] for key in self.dst if _param(key) in grads}
             written = {t.tensor for _, _, part in self._recvs for t in part}
-            for key, layout in self.dst.items():
-                if not layout.mesh.contains(self.rank):
-                    continue
-                old = grads.get(_param(key))
-                if old is not None and key not in written and self.src[key].mesh.contains(self.rank) \
-                        and self.src[key].box(self.rank) == layout.box(self.rank):
-                    new[key] = old  # the same piece, nothing arrives
-                else:
-                    new[key] = torch.empty(layout.local_shape(self.rank), dtype=self.dtypes[key], device=self.device)
-            for t in self.plan.local_copies_of(self.rank):
-                old = grads[_param(t.tensor)]
-                if new[t.tensor] is not old:
-                    new[t.tensor][t.dst_local(self.dst[t.tensor])] = old[t.src_local(self.src[t.tensor])]
+            new = _destination(self.plan, old, self.src, self.dst, self.rank, written, self.dtypes, self.device)
             for _, buf, part in self._recvs:
                 unpack(buf, [(new[t.tensor], t.dst_local(self.dst[t.tensor])) for t in part])
             _maybe_fail("unpack", self.rank)
@@ -285,24 +274,7 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
     incoming = plan.receives(rank)
     written = {t.tensor for transfers in incoming.values() for t in transfers}
     try:
-        for name, layout in dst.items():
-            if not layout.mesh.contains(rank):
-                continue
-            if (
-                name in old
-                and name not in written
-                and src[name].mesh.contains(rank)
-                and src[name].box(rank) == layout.box(rank)
-            ):
-                new[name] = old[name]  # same piece, nothing arrives: share it (the old state is never written)
-            else:
-                dtype = old[name].dtype if name in old else (dtypes or {}).get(name, torch.float32)
-                new[name] = torch.empty(layout.local_shape(rank), dtype=dtype, device=device)
-        for t in plan.local_copies_of(rank):
-            if new[t.tensor] is old.get(t.tensor):
-                continue
-            piece = old[t.tensor][t.src_local(src[t.tensor])]
-            new[t.tensor][t.dst_local(dst[t.tensor])] = piece[t.piece_local(dst[t.tensor])]
+        new = _destination(plan, old, src, dst, rank, written, dtypes, device)
         sends = _packed(plan.by_peer(rank), old, src, backend)
         _maybe_fail("pack", rank)
         recvs = _receive_buffers(incoming, new, device)
@@ -346,6 +318,29 @@ def execute_plan(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, 
     sent = sum(b.numel() * b.element_size() for _, b in sends + relay_sends)
     received = sum(b.numel() * b.element_size() for _, b, _ in recvs + relay_recvs)
     return new, sent, received
+
+
+def _destination(plan: SwitchPlan, old: dict[str, torch.Tensor], src: dict[str, Layout], dst: dict[str, Layout],
+                 rank: int, written: set[str], dtypes: dict[str, torch.dtype] | None,
+                 device) -> dict[str, torch.Tensor]:
+    """This rank's new destination shards, with its local copies made: new storage, except where
+    the same piece stays here and nothing arrives into it (then `old`'s tensor, never written)."""
+    new: dict[str, torch.Tensor] = {}
+    for name, layout in dst.items():
+        if not layout.mesh.contains(rank):
+            continue
+        if name in old and name not in written and src[name].mesh.contains(rank) \
+                and src[name].box(rank) == layout.box(rank):
+            new[name] = old[name]
+        else:
+            dtype = old[name].dtype if name in old else (dtypes or {}).get(name, torch.float32)
+            new[name] = torch.empty(layout.local_shape(rank), dtype=dtype, device=device)
+    for t in plan.local_copies_of(rank):
+        if new[t.tensor] is old.get(t.tensor):
+            continue
+        piece = old[t.tensor][t.src_local(src[t.tensor])]
+        new[t.tensor][t.dst_local(dst[t.tensor])] = piece[t.piece_local(dst[t.tensor])]
+    return new
 
 
 def _packed(by_peer: dict[int, list[Transfer]], tensors: dict[str, torch.Tensor], layouts: dict[str, Layout],

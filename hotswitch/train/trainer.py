@@ -603,11 +603,16 @@ class Trainer:
 
     def weight_bytes(self, name: str) -> int:
         """This config's compute weights per rank (the largest over ranks): what a prefetch into it adds."""
-        per_device = [0] * dist.get_world_size()
-        for layout in self.cm.layouts(name).values():
-            for d in range(len(per_device)):
-                per_device[d] += layout.numel(d) * self.compute_dtype.itemsize
-        return max(per_device)
+        return self._shard_bytes(name, self.compute_dtype.itemsize)
+
+    def grad_bytes(self, name: str) -> int:
+        """This config's fp32 gradient accumulators per rank (the largest over ranks)."""
+        return self._shard_bytes(name, 4)
+
+    def _shard_bytes(self, name: str, itemsize: int) -> int:
+        """A value per parameter in config `name`'s layout, `itemsize` bytes each: the largest rank's bytes."""
+        layouts = self.cm.layouts(name).values()
+        return max(sum(layout.numel(d) for layout in layouts) * itemsize for d in range(dist.get_world_size()))
 
     def _may_prefetch(self, config: str, following: str, buckets, chosen: list[str]) -> bool:
         """Whether `following`'s weights may move while `config` runs its buckets: asked for, and
@@ -621,11 +626,6 @@ class Trainer:
         state = self.state_bytes(config)
         probes = [self.cost.probes.get((config, b.high)) for k, b in enumerate(buckets) if chosen[k] == config]
         return all(p is not None and p.peak_with(state) + extra <= budget for p in probes)
-
-    def grad_bytes(self, name: str) -> int:
-        """This config's fp32 gradient accumulators per rank (the largest over ranks)."""
-        return max(sum(layout.numel(d) for layout in self.cm.layouts(name).values()) * 4
-                   for d in range(dist.get_world_size()))
 
     def _may_hand_off(self, config: str, following: str, bucket, prefetching: bool) -> bool:
         """Whether `config`'s gradients may leave for `following`'s layout during its last backward
