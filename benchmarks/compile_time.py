@@ -8,7 +8,8 @@ The model is a Hugging Face Llama (hidden 256, 8 heads, intermediate 512, random
 micro-batch 4 x 64 tokens. For each depth, `--world-size` gloo processes run `hs.compile` (one
 trace, then every config lowered at length 64) and then lower each config at `n - 1` further
 lengths (128, 192, ...) for each n of `--lengths`: the first lowering of a config searches
-DTensor's strategies, later lengths replay its decisions. Each depth runs twice in fresh
+DTensor's strategies, the second length replays its decisions, and later lengths are written from
+the fit of those two programs (`hotswitch.compiler.lengths`). Each depth runs twice in fresh
 processes, first with an empty compile cache (cold) and then with the cache the first run left
 (warm: decisions replayed from disk). For scale, rank 0 also times `torch.export` of the same
 model alone. Times are the slowest rank's.
@@ -125,6 +126,12 @@ def main(argv=None) -> int:
         print(f"{layers} layers: trace / torch.export {r['trace_s'] / r['export_s']:.2f}; warm / cold lowering "
               f"{sum(warm[layers]['first_lowering_s'].values()) / lowering:.2f}; new length / first lowering "
               + ", ".join(f"{c} {_mean(r['new_length_s'][c]) / r['first_lowering_s'][c]:.2f}" for c in configs))
+        if lengths > 2:  # the second length replays the first's decisions; later ones are fitted from the two
+            print(f"{layers} layers: second length / first lowering "
+                  + ", ".join(f"{c} {r['new_length_s'][c][0] / r['first_lowering_s'][c]:.2f}" for c in configs)
+                  + "; later lengths / first lowering "
+                  + ", ".join(f"{c} {_mean(r['new_length_s'][c][1:]) / r['first_lowering_s'][c]:.2f}"
+                              for c in configs))
     depths = sorted(cold)
     if len(depths) > 1:
         a, b = cold[depths[0]], cold[depths[-1]]

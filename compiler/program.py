@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import sympy
 import torch
@@ -31,6 +31,7 @@ from . import _dtensor as dt
 from ._torch import pytree
 from .cache import CompileCache
 from .garbage import collector_paused
+from .lengths import CannotFit, LengthFit, affine_in_length, fit
 from .logic_io import dumps_program, graph_text, loads_program
 from .lower import (
     BUCKET_BYTES,
@@ -46,7 +47,7 @@ from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
 from .trace import LogicGraph
 
-__all__ = ["StageMesh", "StageProgram", "constants_digest", "lower_program"]
+__all__ = ["StageMesh", "StageProgram", "constants_digest", "fit_programs", "lower_program", "program_at"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,8 @@ class StageProgram:
     # ops that combine rows of different dp ranks other than by a sum (`lower.mixes_rows`): exact only
     # when every dp rank holds the same number of rows
     mixes_rows: tuple[str, ...] = ()
+    replayed_all: bool = False  # every decision replayed from another shape's, none searched again
+    fitted: tuple[int, int] | None = None  # not lowered: written from the programs at these two lengths (`program_at`)
 
 
 def _concrete(size, values: dict) -> int:
@@ -234,18 +237,19 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
 
     def load(entry):
         try:
-            data, encoded_specs, mixed = entry
-            return loads_program(data, groups), [dt.decode_spec(mesh, e) for e in encoded_specs], tuple(mixed)
+            data, encoded_specs, mixed, replayed_all = entry
+            return (loads_program(data, groups), [dt.decode_spec(mesh, e) for e in encoded_specs], tuple(mixed),
+                    replayed_all)
         except Exception as e:  # noqa: BLE001 - an entry from another torch build, say: lower it again
             cache.report(f"a cached ExecGraph did not load ({type(e).__name__}: {e}); it is lowered again")
-            return None, None, ()
+            return None, None, (), False
 
-    sharding, propagate_seconds, gm, deferred_specs, mixed = None, 0.0, None, None, ()
+    sharding, propagate_seconds, gm, deferred_specs, mixed, replayed_all = None, 0.0, None, None, (), False
     if cache is not None and decided is not None:  # this rank's very program, lowered by an earlier process
         for any_dp in ((True, False) if dp_dim is not None else (False,)):
             entry = cache.get(program_key(decided, any_dp), "program")
             if entry is not None:
-                gm, deferred_specs, mixed = load(entry)
+                gm, deferred_specs, mixed, replayed_all = load(entry)
                 break
     loaded = gm is not None
     if loaded:
@@ -283,7 +287,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             shared = program_key(decided if decided is not None else decisions, any_dp=True)
             entry = cache.get(shared, "shared program")
             if entry is not None:
-                gm, deferred_specs, mixed = load(entry)
+                gm, deferred_specs, mixed, replayed_all = load(entry)
                 loaded = gm is not None
                 shared = None  # nothing to publish: another rank (or an earlier process) lowered it
         if gm is None:
@@ -297,6 +301,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 raise
             deferred_specs = [sharding.output_specs[i] for i in deferred]
             mixed = mixes_rows(sharding, dp_dim) if dp_dim is not None else ()
+            replayed_all = sharding.replayed > 0 and not sharding.searched
             data = None
             if cache is not None:
                 try:
@@ -304,7 +309,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
                     data = None
             if data is not None:
-                entry = (data, [dt.encode_spec(s) for s in deferred_specs], mixed)
+                entry = (data, [dt.encode_spec(s) for s in deferred_specs], mixed, replayed_all)
                 if shared is not None:
                     cache.put(shared, entry, "shared program")
                 else:
@@ -324,4 +329,33 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=deferred_specs,
         param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
         decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded,
-        mixes_rows=mixed)
+        mixes_rows=mixed, replayed_all=replayed_all)
+
+
+def fit_programs(logic: LogicGraph, first: StageProgram, length_a: int, second: StageProgram,
+                 length_b: int) -> LengthFit:
+    """The whole-model programs of one config at the same rows and two sequence lengths as one
+    program in the length (`compiler.lengths`), or CannotFit saying why not. The second must have
+    been lowered here by replaying the first's decisions with none searched again: a program at a
+    further length is then what a replay would write there."""
+    for p in (first, second):
+        if p.backward is not None or p.recv_acts:
+            raise CannotFit("a pipeline stage's programs are lowered at every length")
+    if not second.replayed_all:
+        raise CannotFit(f"the program at length {length_b} did not replay every decision of length {length_a}")
+    if first.deferred_specs != second.deferred_specs or first.mixes_rows != second.mixes_rows:
+        raise CannotFit("the gradients' layouts differ between the lengths")
+    graph = (logic.joint if first.train else logic.forward).graph
+    if logic.seq_symbol is None or not affine_in_length(graph, logic.seq_symbol):
+        raise CannotFit("a size in the model is not affine in the sequence length")
+    return fit(first.joint, length_a, second.joint, length_b)
+
+
+def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes: tuple) -> StageProgram:
+    """The program of `fitted` at sequence length `length` (raises CannotFit where it does not
+    hold): `like` (one of the two fitted) with its graph written at that length."""
+    t0 = time.perf_counter()
+    gm = fitted.at(length)
+    gm.meta["hotswitch"] = {**like.joint.meta["hotswitch"], "local_shapes": tuple(local_shapes), "sharding": None}
+    return replace(like, joint=gm, forward=gm, seconds=time.perf_counter() - t0, propagate_seconds=0.0,
+                   replayed=0, loaded=False, replayed_all=False, fitted=fitted.lengths)

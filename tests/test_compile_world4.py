@@ -9,6 +9,7 @@ from tests.compile_checks import (
     batch,
     collective_counts,
     eager_vs_inductor,
+    fitted_equals_replayed,
     forward_collectives_per_block,
     make_model,
     replay_equals_fresh,
@@ -82,6 +83,14 @@ def check_replayed_decisions_equal_a_fresh_lowering():
     return out
 
 
+def check_fitted_lengths_equal_a_replay():
+    """Once a config has run at two sequence lengths, a third is written from their fit: under a
+    2-D mesh with uneven rows, and under sequence parallelism, where 18 tokens on 4 ranks are
+    uneven pieces and the fit refuses (that length is lowered)."""
+    return {name: fitted_equals_replayed("llama", config) for name, config in
+            (("dp2tp2", hs.DistConfig("dp2tp2", dp=2, tp=2)), ("tp4sp", hs.DistConfig("tp4sp", tp=4, sp=True)))}
+
+
 def check_dp_ranks_lower_one_program():
     """Ranks that differ only in their dp coordinate, with equal local batches, run one lowering
     between them (the others load its program), and every rank's numbers are still exact."""
@@ -110,8 +119,9 @@ def check_dp_ranks_lower_one_program():
     return out
 
 
-results = dist_fixture(4, [check_dp_ranks_lower_one_program, check_gpt_equivalence, check_llama_equivalence,
-                           check_gpt2_equivalence, check_collectives_gpt, check_collectives_llama,
+results = dist_fixture(4, [check_dp_ranks_lower_one_program, check_fitted_lengths_equal_a_replay,
+                           check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
+                           check_collectives_gpt, check_collectives_llama,
                            check_wrong_device_count, check_replayed_decisions_equal_a_fresh_lowering,
                            check_inductor_dp_tp_sp_llama])
 
@@ -189,6 +199,21 @@ def test_a_new_length_replays_decisions_and_equals_a_fresh_lowering(results):
             assert replayed["collectives"] == fresh["collectives"] and fresh["collectives"]
             assert replayed["loss"] == fresh["loss"]
             assert all(torch.equal(replayed["grads"][k], v) for k, v in fresh["grads"].items())
+
+
+def test_a_third_length_is_fitted_and_equals_a_replay(results):
+    everyone = results["check_fitted_lengths_equal_a_replay"].raise_if_failed()
+    for config in ("dp2tp2", "tp4sp"):
+        for seq in (20, 18):
+            for r in everyone:
+                fitted, replayed = r[config][seq]["fitted"], r[config][seq]["replayed"]
+                uneven = config == "tp4sp" and seq == 18  # 18 tokens do not split into 4 equal pieces
+                assert fitted["fitted"] == (None if uneven else (12, 16)), (config, seq, fitted["fitted"])
+                assert replayed["fitted"] is None
+                assert fitted["listing"] == replayed["listing"], (config, seq)
+                assert fitted["loss"] == replayed["loss"]
+                assert all(torch.equal(fitted["grads"][k], v) for k, v in replayed["grads"].items())
+                assert fitted["loss_err"] <= 1e-5 and fitted["grad_err"] <= 1e-5, (config, seq)
 
 
 def test_dp_ranks_lower_one_program_for_all(results):

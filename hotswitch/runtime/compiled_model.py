@@ -22,8 +22,9 @@ from hotswitch.compiler import program as lowering  # BUCKET_BYTES read when use
 from hotswitch.compiler.cache import default_cache
 from hotswitch.compiler.garbage import collector_paused
 from hotswitch.compiler.handoff import handing_off
+from hotswitch.compiler.lengths import CannotFit, LengthFit
 from hotswitch.compiler.lower import ShardingDecisions
-from hotswitch.compiler.program import StageMesh, StageProgram, lower_program
+from hotswitch.compiler.program import StageMesh, StageProgram, fit_programs, lower_program, program_at
 from hotswitch.compiler.signature import ModelCall
 from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
@@ -60,6 +61,9 @@ class ConfigState:
     reductions: dict[tuple, fx.GraphModule] = field(default_factory=dict)
     # (train, stage) -> the placements decided for that graph at its first shape: later shapes replay them
     decisions: dict[tuple, ShardingDecisions] = field(default_factory=dict)
+    # (local shapes but the sequence length, train, reduce) -> the first program lowered at such shapes
+    # (length, program), then the LengthFit of the first two, or why there is none (see _fitted)
+    lengths: dict[tuple, object] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this rank computes
 
     @property
@@ -913,22 +917,69 @@ class CompiledModel:
             graph = (train, st.stage)
             what = f"{st.config.name} for local {'micro-batches' if not reduce else 'inputs'} {list(key[0][0])}" + (
                 "" if train else " (forward only)") + (f", stage {st.stage}" if stage is not None else "")
-            self._report(f"lowering {what}")
-            program = lower_program(self.logic, stage, st.where, self._buffers, key[0],
-                                    [x.dtype for x in self._example_inputs], train=train, reduce=reduce,
-                                    strict=self.strict, memo=self._propagation_memo.setdefault(st.config.name, {}),
-                                    decided=st.decisions.get(graph),
-                                    cache=self._cache)
-            st.decisions.setdefault(graph, program.decisions)
-            if program.loaded:
-                how = "loaded: the compile cache or another dp rank had it"
+            program = self._fitted(st, key) if stage is None else None
+            if program is not None:
+                how = f"fitted from lengths {program.fitted[0]} and {program.fitted[1]}"
             else:
-                how = f"{program.replayed} placements replayed" if program.replayed else "placements searched"
-                how += f" in {program.propagate_seconds:.1f} s"
+                self._report(f"lowering {what}")
+                program = lower_program(self.logic, stage, st.where, self._buffers, key[0],
+                                        [x.dtype for x in self._example_inputs], train=train, reduce=reduce,
+                                        strict=self.strict,
+                                        memo=self._propagation_memo.setdefault(st.config.name, {}),
+                                        decided=st.decisions.get(graph), cache=self._cache)
+                st.decisions.setdefault(graph, program.decisions)
+                if program.loaded:
+                    how = "loaded: the compile cache or another dp rank had it"
+                else:
+                    how = f"{program.replayed} placements replayed" if program.replayed else "placements searched"
+                    how += f" in {program.propagate_seconds:.1f} s"
+                if stage is None:
+                    self._learn_length(st, key, program)
             self._report(f"lowered {what} in {program.seconds:.1f} s ({how})")
             st.programs[key] = program
             st.compile_seconds[key] = program.seconds
         return st.programs[key]
+
+    def _by_length(self, key: tuple) -> tuple[tuple, int] | None:
+        """(the program key with the sequence length left out, the length), or None when the inputs
+        do not share one length."""
+        shapes, train, reduce = key
+        lengths = {s[1] for s, along_seq in zip(shapes, self._sequence_inputs) if along_seq}
+        if len(lengths) != 1:
+            return None
+        family = tuple((s[0], None, *s[2:]) if along_seq else s for s, along_seq in zip(shapes, self._sequence_inputs))
+        return (family, train, reduce), lengths.pop()
+
+    def _learn_length(self, st: ConfigState, key: tuple, program: StageProgram) -> None:
+        """After lowering a whole-model program: the first at its shapes but the length is kept; with the
+        second, the two are fitted into one program in the length (`compiler.lengths`)."""
+        found = self._by_length(key)
+        if found is None:
+            return
+        family, length = found
+        known = st.lengths.get(family)
+        if known is None:
+            st.lengths[family] = (length, program)
+        elif isinstance(known, tuple) and isinstance(known[0], int) and known[0] != length:
+            try:
+                st.lengths[family] = (fit_programs(self.logic, known[1], known[0], program, length), known[1])
+            except CannotFit as e:
+                st.lengths[family] = str(e)
+                self._report(f"{st.config.name}: every sequence length is lowered ({e})")
+
+    def _fitted(self, st: ConfigState, key: tuple) -> StageProgram | None:
+        """The program for `key` written from the fit of two earlier lengths, or None (none yet, or it
+        does not hold at this length: then it is lowered)."""
+        found = self._by_length(key)
+        known = st.lengths.get(found[0]) if found is not None else None
+        if not (isinstance(known, tuple) and isinstance(known[0], LengthFit)):
+            return None
+        fitted, first = known
+        try:
+            return program_at(fitted, first, found[1], key[0])
+        except CannotFit as e:
+            self._report(f"{st.config.name}: length {found[1]} is lowered ({e})")
+            return None
 
     def _pipelined(self, st: ConfigState, local_inputs, micro_batches, schedule, grad_scale: float, train: bool):
         """One step as micro-batches (and pipeline stages): see forward_backward and hotswitch.pipeline."""

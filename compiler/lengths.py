@@ -1,0 +1,301 @@
+"""Programs at new sequence lengths without lowering them: `fit` two programs, then `LengthFit.at`.
+
+A config's first sequence length is lowered by DTensor's search and later lengths replay its
+decisions (`lower.propagate_graph`). A replay still visits every op, traces the redistributions and
+builds every node: most of a lowering. But two programs of one config, at the same rows and two
+lengths, are usually one graph whose integer arguments (view and split sizes, ranges, fills) are
+affine functions of the length. `fit` finds those functions; `LengthFit.at(length)` writes the
+program at another length as a copy of the first with the integers evaluated there. This is
+torch.compile's automatic dynamic shapes in spirit: the first length is specialized, and once a
+second one is seen the length is treated as a variable.
+
+Refused (`CannotFit`, with the reason) when:
+- the two graphs differ other than in integers (an uneven length adds ops, say), or a float or a
+  constant tensor differs (DTensor's uneven gathers read index tensors built for one length);
+- at the new length an integer is not whole, or a size is negative: the affine functions carry the
+  divisibility the sharding needs (a local length L/4 refuses L = 18, which DTensor splits unevenly);
+- at the new length a view's input and output would hold different numbers of elements: how an
+  integer that is not affine shows (a view merging two length dims, L * L).
+The caller also checks that every size in the LogicGraph is affine in the length
+(`affine_in_length`): the integers an op computes from those sizes (a range of L * L) are not views.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+import sympy
+import torch
+import torch.fx as fx
+from torch.utils._sympy.functions import FloorDiv
+
+from ._torch import codegen
+
+__all__ = ["CannotFit", "LengthFit", "affine_in_length", "fit", "resolved_arguments"]
+
+# ops whose size argument must keep the number of elements (the check at a new length)
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
+_SIZED = (*_VIEWS, torch.ops.aten.expand.default)  # ops whose argument 1 is a size where -1 stands for one
+
+
+class CannotFit(ValueError):
+    """Two programs are not one graph in the length, or the fit does not hold at a length."""
+
+
+@dataclass(frozen=True)
+class Affine:
+    """(p * length + q) / r: an integer of a program, as the length changes (r > 0, whole at the
+    two fitted lengths)."""
+
+    p: int
+    q: int
+    r: int
+
+    @staticmethod
+    def through(length_a: int, a: int, length_b: int, b: int) -> Affine:
+        slope = Fraction(b - a, length_b - length_a)
+        p, r = slope.numerator, slope.denominator
+        return Affine(p, a * r - p * length_a, r)
+
+    def at(self, length: int) -> int:
+        v, rest = divmod(self.p * length + self.q, self.r)
+        if rest:
+            raise CannotFit(f"({self.p} * {length} + {self.q}) / {self.r} is not a whole number")
+        return v
+
+
+def _at(x, length: int):
+    return x.at(length) if isinstance(x, Affine) else x
+
+
+def _fit_leaf(a, b, la: int, lb: int, where: str):
+    """A constant (the value itself) or an Affine for one pair of integers."""
+    if a is b:
+        return a
+    if type(a) is int and type(b) is int and a != b:
+        if min(a, b) < 0 or max(a, b) >= 2 ** 31:  # a sentinel (a size's -1, a slice's "to the end")
+            raise CannotFit(f"{where}: {a} at length {la} but {b} at length {lb}")
+        return Affine.through(la, a, lb, b)
+    if type(a) is not type(b) or not _same(a, b):
+        raise CannotFit(f"{where}: {a!r} at length {la} but {b!r} at length {lb}")
+    return a
+
+
+def _same(a, b) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that do not compare (tensors): not the same
+        return False
+
+
+def _pair_leaves(a, b, out: list) -> bool:
+    """Append the pairs of leaves of two fx arguments, in the order `fx.node.map_aggregate` visits
+    them; False when they are not nested alike (containers' types aside: a size is a list or a tuple)."""
+    if isinstance(a, (tuple, list)):
+        if not isinstance(b, (tuple, list)) or len(a) != len(b):
+            return False
+        return all(_pair_leaves(x, y, out) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        if not isinstance(b, dict) or list(a) != list(b):
+            return False
+        return all(_pair_leaves(a[k], b[k], out) for k in a)
+    if isinstance(a, slice):
+        return isinstance(b, slice) and all(_pair_leaves(getattr(a, f), getattr(b, f), out)
+                                            for f in ("start", "stop", "step"))
+    if isinstance(b, (tuple, list, dict, slice)):
+        return False
+    out.append((a, b))
+    return True
+
+
+@dataclass(frozen=True)
+class _TensorFit:
+    """A node's meta value (a meta tensor) as the length changes."""
+
+    sizes: tuple  # ints and Affines
+    strides: tuple | None  # ints and Affines; None: dense in `order` at every length
+    order: tuple[int, ...]  # dims from outermost to innermost (for strides=None)
+    offset: object
+    dtype: torch.dtype
+    requires_grad: bool
+
+    def at(self, length: int) -> torch.Tensor:
+        sizes = [_at(s, length) for s in self.sizes]
+        if any(s < 0 for s in sizes):
+            raise CannotFit(f"a size would be negative at length {length}: {sizes}")
+        if self.strides is None:
+            strides, step = [0] * len(sizes), 1
+            for d in reversed(self.order):
+                strides[d] = step
+                step *= max(sizes[d], 1)
+        else:
+            strides = [_at(s, length) for s in self.strides]
+        t = torch.empty_strided(sizes, strides, dtype=self.dtype, device="meta")
+        offset = _at(self.offset, length)
+        if offset:
+            t = t.as_strided(sizes, strides, offset)
+        return t.requires_grad_(self.requires_grad) if self.dtype.is_floating_point else t
+
+
+def _dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The dims of a dense, non-overlapping tensor from outermost to innermost (None: not such)."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), -t.shape[d], d)))
+    return order if _dense_in(t, order) else None
+
+
+def _dense_in(t: torch.Tensor, order: tuple[int, ...]) -> bool:
+    step = 1
+    for d in reversed(order):
+        if t.shape[d] != 1 and t.stride(d) != step:
+            return False
+        step *= t.shape[d]
+    return True
+
+
+def _fit_val(a, b, la: int, lb: int, where: str):
+    """A node's meta value as the length changes: the value itself where it does not change."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.requires_grad != b.requires_grad or a.dim() != b.dim():
+            raise CannotFit(f"{where}: its value changes more than its sizes")
+        if a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset():
+            return a  # a description, never written to: shared by the programs of every length
+        sizes = tuple(_fit_leaf(x, y, la, lb, where) for x, y in zip(a.shape, b.shape))
+        order = _dense_order(a)
+        if order is not None and _dense_in(b, order):
+            strides = None
+        else:
+            order = tuple(range(a.dim()))
+            strides = tuple(_fit_leaf(x, y, la, lb, where) for x, y in zip(a.stride(), b.stride()))
+        offset = _fit_leaf(a.storage_offset(), b.storage_offset(), la, lb, where)
+        return _TensorFit(sizes, strides, order, offset, a.dtype, a.requires_grad)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
+        return type(a)(_fit_val(x, y, la, lb, where) for x, y in zip(a, b))
+    return _fit_leaf(a, b, la, lb, where)
+
+
+def resolved_arguments(node: fx.Node) -> tuple:
+    """(args, kwargs) with a -1 in a view's or an expand's size written as the size it stands for
+    (DTensor's search may leave one where a replay writes the local size)."""
+    val = node.meta.get("val")
+    if node.target in _SIZED and len(node.args) > 1 and isinstance(node.args[1], (tuple, list)) \
+            and -1 in node.args[1] and isinstance(val, torch.Tensor):
+        size = [val.shape[i] if s == -1 else s for i, s in enumerate(node.args[1])]
+        return (node.args[0], size, *node.args[2:]), node.kwargs
+    return node.args, node.kwargs
+
+
+def _varies(fitted) -> bool:
+    if isinstance(fitted, (_TensorFit, Affine)):
+        return True
+    return isinstance(fitted, (tuple, list)) and any(map(_varies, fitted))
+
+
+def _val_at(fitted, length: int):
+    if isinstance(fitted, _TensorFit):
+        return fitted.at(length)
+    if isinstance(fitted, (tuple, list)):
+        return type(fitted)(_val_at(x, length) for x in fitted)
+    return _at(fitted, length)
+
+
+@dataclass(frozen=True)
+class LengthFit:
+    """The program `first` (lowered at `lengths[0]`) with its integers as functions of the length."""
+
+    first: fx.GraphModule
+    lengths: tuple[int, int]
+    args: dict  # node of `first` -> its arguments' leaves (Nodes, constants, Affines), where some change
+    vals: dict  # node of `first` -> its meta value as the length changes, where it changes
+
+    def at(self, length: int) -> fx.GraphModule:
+        """The program at `length` (raises CannotFit where the fit does not hold there)."""
+        graph, env = fx.Graph(), {}
+        codegen(graph, codegen(self.first.graph))
+        for node in self.first.graph.nodes:
+            fitted = self.args.get(node)
+            if fitted is None:
+                new = graph.node_copy(node, env.__getitem__)  # its meta copied
+            else:
+                leaves = iter([env[x] if isinstance(x, fx.Node) else _at(x, length) for x in fitted])
+                args, kwargs = fx.node.map_aggregate(resolved_arguments(node), lambda _: next(leaves))
+                new = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
+                new.meta = dict(node.meta)
+            if node in self.vals:
+                new.meta["val"] = _val_at(self.vals[node], length)
+                if node.target in _VIEWS:
+                    before, after = env[node.args[0]].meta["val"], new.meta["val"]
+                    if before.numel() != after.numel():
+                        raise CannotFit(f"{node.name} would view {list(before.shape)} as {list(after.shape)} "
+                                        f"at length {length}: an integer is not affine in the length")
+            env[node] = new
+        return fx.GraphModule(self.first, graph)
+
+
+def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: int) -> LengthFit:
+    """The two programs of one config, at the same rows and lengths `length_a` != `length_b`, as one
+    graph whose integers are affine in the length (raises CannotFit naming the first difference)."""
+    a_nodes, b_nodes = list(first.graph.nodes), list(second.graph.nodes)
+    if len(a_nodes) != len(b_nodes):
+        raise CannotFit(f"{len(a_nodes)} nodes at length {length_a} but {len(b_nodes)} at length {length_b}")
+    index = {n: i for i, n in enumerate(a_nodes)}
+    index.update({n: i for i, n in enumerate(b_nodes)})
+    args, vals = {}, {}
+    for a, b in zip(a_nodes, b_nodes):
+        where = f"{a.name} ({a.target})"
+        if (a.op, a.target, a.name) != (b.op, b.target, b.name):
+            raise CannotFit(f"{where} at length {length_a} but {b.name} ({b.target}) at length {length_b}")
+        if a.op == "get_attr":
+            x, y = getattr(first, a.target), getattr(second, b.target)
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+                    and x.dtype == y.dtype and torch.equal(x, y)):
+                raise CannotFit(f"the constant {a.target} differs between the lengths")
+        pairs = []
+        if not _pair_leaves(resolved_arguments(a), resolved_arguments(b), pairs):
+            raise CannotFit(f"{where} takes other arguments at length {length_b}")
+        leaves, varies = [], False
+        for x, y in pairs:
+            if isinstance(x, fx.Node) or isinstance(y, fx.Node):
+                if not (isinstance(x, fx.Node) and isinstance(y, fx.Node) and index[x] == index[y]):
+                    raise CannotFit(f"{where} reads other values at length {length_b}")
+                leaves.append(x)
+                continue
+            leaf = _fit_leaf(x, y, length_a, length_b, where)
+            varies |= isinstance(leaf, Affine)
+            leaves.append(leaf)
+        if varies:
+            args[a] = tuple(leaves)
+        val = _fit_val(a.meta.get("val"), b.meta.get("val"), length_a, length_b, where)
+        if _varies(val):
+            vals[a] = val
+    return LengthFit(first, (length_a, length_b), args, vals)
+
+
+def affine_in_length(graph: fx.Graph, length) -> bool:
+    """Is every size and every integer value in `graph` (a LogicGraph) of degree at most 1 in the
+    sympy symbol `length`? Then an op's integer arguments, computed from them, are affine too."""
+    def degree_ok(s) -> bool:
+        if not isinstance(s, torch.SymInt):
+            return True
+        key = s.node.expr
+        if length not in key.free_symbols or key == length:
+            return True
+        if key not in degrees:
+            # a floor division by a constant counts as a division: the fit keeps to the lengths it
+            # divides (`Affine.at`)
+            expr = key.replace(lambda e: isinstance(e, FloorDiv) and e.args[1].is_number,
+                               lambda e: e.args[0] / e.args[1])
+            try:
+                degrees[key] = sympy.Poly(expr, length).degree()
+            except sympy.PolynomialError:  # Mod, Max, ...: not a polynomial in the length
+                degrees[key] = None
+        return degrees[key] is not None and degrees[key] <= 1
+
+    degrees: dict = {}
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        for v in (val if isinstance(val, (tuple, list)) else (val,)):
+            if isinstance(v, torch.Tensor) and not all(degree_ok(s) for s in v.shape):
+                return False
+            if isinstance(v, torch.SymInt) and not degree_ok(v):
+                return False
+    return True

@@ -1,0 +1,101 @@
+"""compiler.lengths: programs at new sequence lengths written from the fit of two (one process)."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from hotswitch.compiler.lengths import CannotFit, affine_in_length, fit
+
+H = 8
+
+
+def _attention_like(x):
+    """[4, L, H] -> heads of 2, a causal score matrix [L, L], a local quarter of the length."""
+    b, length, _ = x.shape
+    heads = x.view(b, length, 2, H // 2).transpose(1, 2)
+    scores = heads @ heads.transpose(-1, -2)
+    mask = torch.ones(length, length).tril()
+    quarter = x.view(b, 4, length // 4, H)[:, 0]
+    return (scores * mask).sum(-1).transpose(1, 2).reshape(b, length, 2), quarter.sum()
+
+
+def _merging(x):
+    """Views the [L, L] score matrix as one dim of L * L: an integer not affine in L."""
+    scores = x @ x.transpose(0, 1)
+    return scores.view(-1).cumsum(0).view(x.shape[0] * x.shape[0])
+
+
+def _programs(fn, lengths, shape=lambda n: (4, n, H)):
+    return [make_fx(fn)(torch.randn(shape(n))) for n in lengths]
+
+
+def _listing(gm):
+    def plain(a):
+        if isinstance(a, (tuple, list)):
+            return [plain(x) for x in a]
+        return a.name if isinstance(a, torch.fx.Node) else a
+    return [(n.name, str(n.target), plain(n.args), plain(dict(n.kwargs))) for n in gm.graph.nodes]
+
+
+def test_a_fitted_program_equals_the_traced_one_at_a_new_length():
+    a, b, c = _programs(_attention_like, (8, 12, 20))
+    fitted = fit(a, 8, b, 12)
+    assert fitted.args  # view sizes, the mask's size: integers that move with the length
+    at20 = fitted.at(20)
+    assert _listing(at20) == _listing(c)
+    x = torch.randn(4, 20, H)
+    for got, want in zip(at20(x), c(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    vals = [n.meta["val"].shape for n in at20.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+    assert vals == [n.meta["val"].shape for n in c.graph.nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+
+
+def test_a_size_of_minus_one_is_read_as_the_size_it_stands_for():
+    def inferred(x):
+        return x.view(x.shape[0], -1, 2, H // 2).sum(2)
+
+    def written(x):
+        return x.view(x.shape[0], x.shape[1], 2, H // 2).sum(2)
+    a = make_fx(inferred)(torch.randn(4, 8, H))  # [4, -1, 2, 4]
+    b, c = _programs(written, (12, 20))  # [4, 12, 2, 4], [4, 20, 2, 4]
+    at20 = fit(a, 8, b, 12).at(20)
+    assert _listing(at20) == _listing(c)
+    x = torch.randn(4, 20, H)
+    torch.testing.assert_close(at20(x), c(x), rtol=0, atol=0)
+
+
+def test_a_length_the_fit_does_not_divide_is_refused():
+    a, b = _programs(_attention_like, (8, 12))
+    with pytest.raises(CannotFit, match="not a whole number"):  # 18 // 4 is not 18 / 4
+        fit(a, 8, b, 12).at(18)
+
+
+def test_an_integer_that_is_not_affine_is_caught_at_the_new_length():
+    a, b = _programs(_merging, (4, 8), shape=lambda n: (n, H))
+    fitted = fit(a, 4, b, 8)  # 16 and 64 fit 12 * L - 32, which is wrong everywhere else
+    with pytest.raises(CannotFit, match="not affine"):
+        fitted.at(12)
+
+
+def test_programs_that_differ_beyond_integers_are_not_fitted():
+    def branchy(x):
+        return x.relu() if x.shape[1] > 10 else x.sigmoid()
+    a, b = _programs(branchy, (8, 12))
+    with pytest.raises(CannotFit, match="relu|sigmoid"):
+        fit(a, 8, b, 12)
+    def scaled(x):
+        return x * (1.0 / x.shape[1])  # a float that moves with the length
+    a, b = _programs(scaled, (8, 12))
+    with pytest.raises(CannotFit, match="0.125"):
+        fit(a, 8, b, 12)
+
+
+def test_affine_in_length_reads_the_logic_graphs_symbolic_sizes():
+    def fine(x):
+        return x.view(x.shape[0], -1, 2, H // 2).sum(1)
+    gm = make_fx(fine, tracing_mode="symbolic")(torch.randn(4, 12, H))
+    length = [n for n in gm.graph.nodes if n.op == "placeholder"][0].meta["val"].shape[1].node.expr
+    assert affine_in_length(gm.graph, length)
+    gm = make_fx(_merging, tracing_mode="symbolic")(torch.randn(12, H))
+    length = [n for n in gm.graph.nodes if n.op == "placeholder"][0].meta["val"].shape[0].node.expr
+    assert not affine_in_length(gm.graph, length)
