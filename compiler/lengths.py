@@ -115,14 +115,12 @@ class _TensorFit:
     sizes: tuple  # ints and Affines
     strides: tuple | None  # ints and Affines; None: dense in `order` at every length
     order: tuple[int, ...]  # dims from outermost to innermost (for strides=None)
-    offset: object
+    offset: int
     dtype: torch.dtype
     requires_grad: bool
 
     def at(self, length: int) -> torch.Tensor:
         sizes = [_at(s, length) for s in self.sizes]
-        if any(s < 0 for s in sizes):
-            raise CannotFit(f"a size would be negative at length {length}: {sizes}")
         if self.strides is None:
             strides, step = [0] * len(sizes), 1
             for d in reversed(self.order):
@@ -130,10 +128,11 @@ class _TensorFit:
                 step *= max(sizes[d], 1)
         else:
             strides = [_at(s, length) for s in self.strides]
+        if min(sizes, default=0) < 0 or min(strides, default=0) < 0:
+            raise CannotFit(f"a size or a stride would be negative at length {length}: {sizes}, {strides}")
         t = torch.empty_strided(sizes, strides, dtype=self.dtype, device="meta")
-        offset = _at(self.offset, length)
-        if offset:
-            t = t.as_strided(sizes, strides, offset)
+        if self.offset:
+            t = t.as_strided(sizes, strides, self.offset)
         return t.requires_grad_(self.requires_grad) if self.dtype.is_floating_point else t
 
 
@@ -166,7 +165,9 @@ def _fit_val(a, b, la: int, lb: int, where: str):
         else:
             order = tuple(range(a.dim()))
             strides = tuple(_fit_leaf(x, y, la, lb, where) for x, y in zip(a.stride(), b.stride()))
-        offset = _fit_leaf(a.storage_offset(), b.storage_offset(), la, lb, where)
+        # a storage offset is not read off a program's values (and meta results memoized across
+        # views do not always carry it): the first's, where the two differ
+        offset = a.storage_offset()
         return _TensorFit(sizes, strides, order, offset, a.dtype, a.requires_grad)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
         return type(a)(_fit_val(x, y, la, lb, where) for x, y in zip(a, b))
@@ -174,14 +175,20 @@ def _fit_val(a, b, la: int, lb: int, where: str):
 
 
 def resolved_arguments(node: fx.Node) -> tuple:
-    """(args, kwargs) with a -1 in a view's or an expand's size written as the size it stands for
-    (DTensor's search may leave one where a replay writes the local size)."""
-    val = node.meta.get("val")
-    if node.target in _SIZED and len(node.args) > 1 and isinstance(node.args[1], (tuple, list)) \
-            and -1 in node.args[1] and isinstance(val, torch.Tensor):
-        size = [val.shape[i] if s == -1 else s for i, s in enumerate(node.args[1])]
-        return (node.args[0], size, *node.args[2:]), node.kwargs
-    return node.args, node.kwargs
+    """(args, kwargs) with a -1 in a view's or an expand's size written as the size it stands for,
+    and a slice's end past its dim as the dim's size (DTensor's search may leave either where a
+    replay writes the local size)."""
+    args, val = node.args, node.meta.get("val")
+    if node.target in _SIZED and len(args) > 1 and isinstance(args[1], (tuple, list)) and -1 in args[1] \
+            and isinstance(val, torch.Tensor):
+        size = [val.shape[i] if s == -1 else s for i, s in enumerate(args[1])]
+        return (args[0], size, *args[2:]), node.kwargs
+    if node.target is torch.ops.aten.slice.Tensor and len(args) > 3 and type(args[3]) is int \
+            and isinstance(args[0], fx.Node) and isinstance(args[0].meta.get("val"), torch.Tensor):
+        size = args[0].meta["val"].shape[args[1]]
+        if args[3] > size:
+            return (*args[:3], size, *args[4:]), node.kwargs
+    return args, node.kwargs
 
 
 def _varies(fitted) -> bool:
@@ -221,7 +228,10 @@ class LengthFit:
                 new = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
                 new.meta = dict(node.meta)
             if node in self.vals:
-                new.meta["val"] = _val_at(self.vals[node], length)
+                try:
+                    new.meta["val"] = _val_at(self.vals[node], length)
+                except CannotFit as e:
+                    raise CannotFit(f"{node.name} ({node.target}): {e}") from None
                 if node.target in _VIEWS:
                     before, after = env[node.args[0]].meta["val"], new.meta["val"]
                     if before.numel() != after.numel():
@@ -242,7 +252,7 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
     args, vals = {}, {}
     for a, b in zip(a_nodes, b_nodes):
         where = f"{a.name} ({a.target})"
-        if (a.op, a.target, a.name) != (b.op, b.target, b.name):
+        if (a.op, a.target) != (b.op, b.target):  # names may differ: a trace memoized or not names nodes apart
             raise CannotFit(f"{where} at length {length_a} but {b.name} ({b.target}) at length {length_b}")
         if a.op == "get_attr":
             x, y = getattr(first, a.target), getattr(second, b.target)

@@ -140,24 +140,27 @@ def replay_equals_fresh(kind: str, config, seqs=(SEQ, 20), **overrides) -> dict:
 
 
 def graph_listing(gm) -> list[tuple]:
-    """A program node by node: name, target and arguments, sizes as lists whether tuples or lists,
-    a view's or expand's -1 as the size it stands for (DTensor's search leaves some, a replay writes
-    them), a collective's process group by its place (each compiled model makes groups of its own)."""
+    """A program node by node: op, target and arguments, up to names (a node read is its position),
+    sizes as lists whether tuples or lists, a view's or expand's -1 as the size it stands for
+    (DTensor's search leaves some, a replay writes them), a collective's process group by its place
+    (each compiled model makes groups of its own)."""
     from hotswitch.compiler.lengths import resolved_arguments
+
+    where = {n: i for i, n in enumerate(gm.graph.nodes)}
 
     def plain(a):
         if isinstance(a, (tuple, list)):
             return [plain(x) for x in a]
         if isinstance(a, dict):
             return {k: plain(v) for k, v in a.items()}
-        return a.name if isinstance(a, torch.fx.Node) else a
+        return f"%{where[a]}" if isinstance(a, torch.fx.Node) else a
 
     out = []
     for n in gm.graph.nodes:
         args, kwargs = resolved_arguments(n)
         if str(n.target).startswith("_c10d_functional.") and isinstance(args[-1], str):
             args = args[:-1]
-        out.append((n.name, str(n.target), plain(args), plain(dict(kwargs))))
+        out.append((n.op, str(n.target), plain(args), plain(dict(kwargs))))
     return out
 
 

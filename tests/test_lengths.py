@@ -64,6 +64,18 @@ def test_a_size_of_minus_one_is_read_as_the_size_it_stands_for():
     torch.testing.assert_close(at20(x), c(x), rtol=0, atol=0)
 
 
+def test_a_slice_to_the_end_is_read_as_one_to_the_dims_size():
+    def to_the_end(x):
+        return x[:, 2:] * 2
+
+    def to_the_length(x):
+        return x[:, 2:x.shape[1]] * 2
+    a = make_fx(to_the_end)(torch.randn(4, 8, H))  # slice(x, 1, 2, 2**63 - 1)
+    b, c = _programs(to_the_length, (12, 20))  # slice(x, 1, 2, 12), slice(x, 1, 2, 20)
+    at20 = fit(a, 8, b, 12).at(20)
+    assert _listing(at20) == _listing(c)
+
+
 def test_a_length_the_fit_does_not_divide_is_refused():
     a, b = _programs(_attention_like, (8, 12))
     with pytest.raises(CannotFit, match="not a whole number"):  # 18 // 4 is not 18 / 4
