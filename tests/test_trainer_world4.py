@@ -105,6 +105,19 @@ def check_llama_matches_single_device():
     return _run_equivalence("llama", buckets=[8, 16, 128])  # every step uses all three configs
 
 
+def check_lengths_fitted_in_training():
+    """One config for every bucket and one row per micro-batch at every length: once two lengths are
+    lowered, the others are written from their fit (`compiler.lengths`), and the steps still equal
+    single-device AdamW."""
+    model = _model("gpt")
+    batches = _batches()
+    ref = _reference_steps(model, batches)
+    trainer = Trainer(model, CONFIGS, dict(name="adamw", lr=LR), buckets=[16, 32, 64, 128],
+                      bucket_configs=["tp4sp"] * 4, micro_batch_tokens=16)
+    steps = _steps_against(trainer, batches, ref)
+    return steps, [p.fitted for p in trainer.cm._state("tp4sp").programs.values()]
+
+
 def _long_tailed_batches(steps=3, seed=7):
     """Skewed lengths 4..250 as users have them, two sequences of 240+ per batch (rows longer than 128)."""
     return [D.synthetic_skewed(24, VOCAB, 250, seed=seed + s, min_length=4)
@@ -246,6 +259,7 @@ results = dist_fixture(
     [
         check_gpt_zero1_matches_single_device,
         check_llama_matches_single_device,
+        check_lengths_fitted_in_training,
         check_budget_keeps_long_rows_off_pure_dp,
         check_llama_with_automatic_buckets_matches_single_device,
         check_different_batches_are_refused,
@@ -280,6 +294,13 @@ def test_gpt_with_zero1_equals_single_device_adamw(results):
     # prefetch=False: no weights behind compute, no gradients handed off during a backward
     assert all(sw.overlapped_seconds == 0 and sw.handed_off_bytes == 0 for s in steps for sw in s["report"].switches)
     assert steps[0]["report"].switches[0].source == "dp2tp2"  # the base holds masters and the optimizer
+
+
+def test_lengths_fitted_in_training_equal_single_device_adamw(results):
+    steps, fitted = results["check_lengths_fitted_in_training"].raise_if_failed()[0]
+    _assert_equivalent(steps, worst_tensor=1e-5, configs=["tp4sp"])
+    # the first two lengths lowered, every other one fitted from those
+    assert len(fitted) >= 3 and fitted.count(None) == 2 and len(set(fitted) - {None}) == 1, fitted
 
 
 def test_hf_llama_equals_single_device_adamw(results):
