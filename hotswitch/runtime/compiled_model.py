@@ -22,7 +22,7 @@ from hotswitch.compiler import program as lowering  # BUCKET_BYTES read when use
 from hotswitch.compiler.cache import default_cache
 from hotswitch.compiler.garbage import collector_paused
 from hotswitch.compiler.handoff import handing_off
-from hotswitch.compiler.lengths import CannotFit, LengthFit
+from hotswitch.compiler.lengths import CannotFit
 from hotswitch.compiler.lower import ShardingDecisions
 from hotswitch.compiler.program import StageMesh, StageProgram, fit_programs, lower_program, program_at
 from hotswitch.compiler.signature import ModelCall
@@ -61,8 +61,8 @@ class ConfigState:
     reductions: dict[tuple, fx.GraphModule] = field(default_factory=dict)
     # (train, stage) -> the placements decided for that graph at its first shape: later shapes replay them
     decisions: dict[tuple, ShardingDecisions] = field(default_factory=dict)
-    # (local shapes but the sequence length, train, reduce) -> the first program lowered at such shapes
-    # (length, program), then the LengthFit of the first two, or why there is none (see _fitted)
+    # (local shapes but the sequence length, train, reduce) -> the first two programs lowered at such
+    # shapes [(length, program)], then (the LengthFit of those two, the first), or why they do not fit
     lengths: dict[tuple, object] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this rank computes
 
@@ -951,28 +951,27 @@ class CompiledModel:
         return (family, train, reduce), lengths.pop()
 
     def _learn_length(self, st: ConfigState, key: tuple, program: StageProgram) -> None:
-        """After lowering a whole-model program: the first at its shapes but the length is kept; with the
-        second, the two are fitted into one program in the length (`compiler.lengths`)."""
+        """After lowering a whole-model program: the first two at its shapes but the length are kept,
+        for `_fitted` to fit when a third length comes."""
         found = self._by_length(key)
-        if found is None:
-            return
-        family, length = found
-        known = st.lengths.get(family)
-        if known is None:
-            st.lengths[family] = (length, program)
-        elif isinstance(known, tuple) and isinstance(known[0], int) and known[0] != length:
-            try:
-                st.lengths[family] = (fit_programs(self.logic, known[1], known[0], program, length), known[1])
-            except CannotFit as e:
-                st.lengths[family] = str(e)
-                self._report(f"{st.config.name}: every sequence length is lowered ({e})")
+        if found is not None:
+            lowered = st.lengths.setdefault(found[0], [])
+            if isinstance(lowered, list) and len(lowered) < 2:
+                lowered.append((found[1], program))
 
     def _fitted(self, st: ConfigState, key: tuple) -> StageProgram | None:
-        """The program for `key` written from the fit of two earlier lengths, or None (none yet, or it
-        does not hold at this length: then it is lowered)."""
+        """The program for `key` written from the fit of two earlier lengths (`compiler.lengths`), or
+        None: fewer than two lowered yet, they do not fit, or the fit does not hold at this length."""
         found = self._by_length(key)
         known = st.lengths.get(found[0]) if found is not None else None
-        if not (isinstance(known, tuple) and isinstance(known[0], LengthFit)):
+        if isinstance(known, list) and len(known) == 2:
+            (length_a, first), (length_b, second) = known
+            try:
+                known = st.lengths[found[0]] = (fit_programs(self.logic, first, length_a, second, length_b), first)
+            except CannotFit as e:
+                st.lengths[found[0]] = str(e)
+                self._report(f"{st.config.name}: every sequence length is lowered ({e})")
+        if not isinstance(known, tuple):
             return None
         fitted, first = known
         try:
