@@ -22,7 +22,7 @@ from hotswitch.compiler import program as lowering  # BUCKET_BYTES read when use
 from hotswitch.compiler.cache import default_cache
 from hotswitch.compiler.garbage import collector_paused
 from hotswitch.compiler.handoff import handing_off
-from hotswitch.compiler.lengths import CannotFit
+from hotswitch.compiler.lengths import CannotFit, LengthFit
 from hotswitch.compiler.lower import ShardingDecisions
 from hotswitch.compiler.program import StageMesh, StageProgram, fit_programs, lower_program, program_at
 from hotswitch.compiler.signature import ModelCall
@@ -38,6 +38,16 @@ from hotswitch.switch.executor import BackgroundMove, GradientHandoff, SwitchAbo
 from hotswitch.switch.order import OrderPlan, plan_order
 from hotswitch.switch.planner import PlanCache, SwitchPlan, TensorMove
 from hotswitch.switch.state import StateKind, split_key, state_key
+
+
+@dataclass
+class LengthFamily:
+    """A config's whole-model programs at one local shape but the sequence length: the first two
+    lowered, then their fit (`compiler.lengths`), or why they do not fit."""
+
+    lowered: list[tuple[int, StageProgram]] = field(default_factory=list)  # (length, program)
+    fit: LengthFit | None = None
+    refused: str | None = None
 
 
 @dataclass
@@ -61,9 +71,8 @@ class ConfigState:
     reductions: dict[tuple, fx.GraphModule] = field(default_factory=dict)
     # (train, stage) -> the placements decided for that graph at its first shape: later shapes replay them
     decisions: dict[tuple, ShardingDecisions] = field(default_factory=dict)
-    # (local shapes but the sequence length, train, reduce) -> the first two programs lowered at such
-    # shapes [(length, program)], then (the LengthFit of those two, the first), or why they do not fit
-    lengths: dict[tuple, object] = field(default_factory=dict)
+    # (local shapes but the sequence length, train, reduce) -> its programs' lengths (see _fitted)
+    lengths: dict[tuple, LengthFamily] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this rank computes
 
     @property
@@ -955,27 +964,27 @@ class CompiledModel:
         for `_fitted` to fit when a third length comes."""
         found = self._by_length(key)
         if found is not None:
-            lowered = st.lengths.setdefault(found[0], [])
-            if isinstance(lowered, list) and len(lowered) < 2:
-                lowered.append((found[1], program))
+            family = st.lengths.setdefault(found[0], LengthFamily())
+            if len(family.lowered) < 2:
+                family.lowered.append((found[1], program))
 
     def _fitted(self, st: ConfigState, key: tuple) -> StageProgram | None:
         """The program for `key` written from the fit of two earlier lengths (`compiler.lengths`), or
         None: fewer than two lowered yet, they do not fit, or the fit does not hold at this length."""
         found = self._by_length(key)
-        known = st.lengths.get(found[0]) if found is not None else None
-        if isinstance(known, list) and len(known) == 2:
-            (length_a, first), (length_b, second) = known
-            try:
-                known = st.lengths[found[0]] = (fit_programs(self.logic, first, length_a, second, length_b), first)
-            except CannotFit as e:
-                st.lengths[found[0]] = str(e)
-                self._report(f"{st.config.name}: every sequence length is lowered ({e})")
-        if not isinstance(known, tuple):
+        family = st.lengths.get(found[0]) if found is not None else None
+        if family is None or len(family.lowered) < 2 or family.refused is not None:
             return None
-        fitted, first = known
+        if family.fit is None:
+            (length_a, first), (length_b, second) = family.lowered
+            try:
+                family.fit = fit_programs(self.logic, first, length_a, second, length_b)
+            except CannotFit as e:
+                family.refused = str(e)
+                self._report(f"{st.config.name}: every sequence length is lowered ({e})")
+                return None
         try:
-            return program_at(fitted, first, found[1], key[0])
+            return program_at(family.fit, family.lowered[0][1], found[1], key[0])
         except CannotFit as e:
             self._report(f"{st.config.name}: length {found[1]} is lowered ({e})")
             return None
