@@ -176,6 +176,33 @@ def check_a_warm_cache_replays_decisions():
     return out
 
 
+def check_a_warm_cache_fits_later_lengths():
+    """A second compiled model loads the programs of the first two lengths from disk and fits the
+    third and fourth from them (the cache entries say the second replayed every decision), as the
+    first model did: the same numbers."""
+    import os
+    import tempfile
+
+    from hotswitch.runtime import shared
+
+    os.environ["HOTSWITCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="warm-lengths-")  # cold for this check
+    model = make_model("gpt")
+    config = hs.DistConfig("tp2sp", tp=2, sp=True)
+    out = []
+    for _ in range(2):
+        shared._LOADED.clear()  # as in another process: no LogicGraph in memory, only on disk
+        cm = hs.compile(model, batch(), [config])
+        lengths = {}
+        for seq in (12, 16, 20, 24):
+            inputs = batch(seq=seq)
+            gm = cm.exec_graph("tp2sp", tuple(tuple(x.shape) for x in inputs))
+            (program,) = [p for p in cm._state("tp2sp").programs.values() if p.joint is gm]
+            loss = cm.forward_backward(*cm.shard_inputs(*inputs))
+            lengths[seq] = dict(loaded=program.loaded, fitted=program.fitted, loss=float(loss))
+        out.append(lengths)
+    return out
+
+
 def check_gradient_buckets_reduce_behind_the_backward():
     """Gradients over DDP's 25 MiB bucket (an 8192 x 512 embedding and LM head: 32 MiB) make two
     buckets under dp2. The first (the LM head and the last block, which the backward finishes first)
@@ -227,7 +254,8 @@ def check_lowering_equals_make_fx():
 
 results = dist_fixture(2, [check_lowering_equals_make_fx, check_gpt_equivalence, check_llama_equivalence,
                            check_gpt2_equivalence, check_learned_positions_with_a_tied_embedding,
-                           check_a_warm_cache_replays_decisions, check_gradient_buckets_reduce_behind_the_backward,
+                           check_a_warm_cache_replays_decisions, check_a_warm_cache_fits_later_lengths,
+                           check_gradient_buckets_reduce_behind_the_backward,
                            check_waits_sit_where_results_are_read, check_wrong_device_count,
                            check_tp_not_dividing_heads, check_unknown_config, check_op_without_rule,
                            check_op_without_rule_non_strict, check_rows_mixed_across_dp_ranks])
@@ -321,6 +349,14 @@ def test_a_warm_cache_replays_decisions(results):
         assert cold["programs"] == ((0, 0) if cold is searcher else (0, 1)) and not cold["loaded"]
         assert warm["programs"] == (1, 0) and warm["loaded"] and warm["targets"] == cold["targets"]
         assert all(torch.equal(warm["grads"][k], v) for k, v in cold["grads"].items())
+
+
+def test_a_warm_cache_fits_later_lengths(results):
+    for cold, warm in results["check_a_warm_cache_fits_later_lengths"].raise_if_failed():
+        assert [cold[s]["fitted"] for s in (12, 16, 20, 24)] == [None, None, (12, 16), (12, 16)], cold
+        assert [warm[s]["loaded"] for s in (12, 16)] == [True, True], warm  # from the first model's disk
+        assert [warm[s]["fitted"] for s in (20, 24)] == [(12, 16), (12, 16)], warm
+        assert all(warm[s]["loss"] == cold[s]["loss"] for s in cold)
 
 
 def test_lowering_builds_the_program_make_fx_would_trace(results):
