@@ -251,6 +251,17 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             if entry is not None:
                 gm, deferred_specs, mixed, replayed_all = load(entry)
                 break
+    # graph -> did its last program leave the dp coordinate unread (`reads_coordinate`)? Then one with
+    # the same decisions does too: it is looked up, or claimed, before the decisions are replayed
+    shared_before = None if memo is None else memo.setdefault("shared programs", {})
+    claimed = None
+    if gm is None and cache is not None and decided is not None and dp_dim is not None \
+            and shared_before is not None and shared_before.get(graph):
+        claimed = program_key(decided, any_dp=True)
+        entry = cache.get(claimed, "shared program")
+        if entry is not None:
+            gm, deferred_specs, mixed, replayed_all = load(entry)
+            claimed = None  # another rank lowered it; nothing of ours to publish
     loaded = gm is not None
     if loaded:
         decisions = decided  # nothing propagated: the program already holds what the decisions lead to
@@ -264,6 +275,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         except BaseException:
             if key is not None and decided is None:
                 cache.failed(key)
+            if claimed is not None:
+                cache.failed(claimed)  # the dp ranks waiting for it propagate themselves (and raise the same)
             raise
         propagate_seconds = time.perf_counter() - t_propagate
         decisions = sharding.placements()
@@ -282,8 +295,16 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         # ranks that differ only in their dp coordinate lower the same program unless it reads that
         # coordinate (`lower.reads_coordinate`): the first to get here lowers it for the others
         shared = None
-        if cache is not None and dp_dim is not None and not reads_coordinate(
-                sharding, graph, dp_dim, _plan_redistributions(plan, sharding.output_specs)):
+        one_for_all = cache is not None and dp_dim is not None and not reads_coordinate(
+            sharding, graph, dp_dim, _plan_redistributions(plan, sharding.output_specs))
+        if shared_before is not None and dp_dim is not None:
+            shared_before[graph] = one_for_all
+        if claimed is not None:  # ours to lower for the other dp ranks, or to tell them to lower their own
+            if one_for_all:
+                shared = claimed
+            else:
+                cache.failed(claimed)
+        elif one_for_all:
             shared = program_key(decided if decided is not None else decisions, any_dp=True)
             entry = cache.get(shared, "shared program")
             if entry is not None:

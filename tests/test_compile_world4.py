@@ -93,29 +93,34 @@ def check_fitted_lengths_equal_a_replay():
 
 def check_dp_ranks_lower_one_program():
     """Ranks that differ only in their dp coordinate, with equal local batches, run one lowering
-    between them (the others load its program), and every rank's numbers are still exact."""
+    between them (the others load its program), at the first length and at a second one (there
+    the others do not even replay the decisions: the first length's program was one for all), and
+    every rank's numbers are still exact."""
     import os
 
     from tests.compile_checks import reference, rel_err
 
     model = make_model("gpt")
-    ids, labels = batch(batch=4)
-    loss_ref, grads_ref = reference(model, ids, labels)
     os.environ["HOTSWITCH_CACHE"] = "0"  # no disk: what is shared comes from the other ranks of this job
     try:
-        cm = hs.compile(model, (ids, labels), configs=CONFIGS[:2])  # dp4, dp2tp2
+        cm = hs.compile(model, batch(batch=4), configs=CONFIGS[:2])  # dp4, dp2tp2
     finally:
         del os.environ["HOTSWITCH_CACHE"]
     out = {}
-    for config in CONFIGS[:2]:
-        cm.switch(config.name)
-        cm.zero_grad()
-        loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
-        grads = cm.full_grads()
-        (program,) = cm._state(config.name).programs.values()
-        out[config.name] = dict(loaded=program.loaded, coordinate=tuple(cm._state(config.name).mesh.get_coordinate()),
-                                loss_err=abs(loss.item() - loss_ref.item()) / loss_ref.item(),
-                                grad_err=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
+    for seq in (12, 16):
+        ids, labels = batch(batch=4, seq=seq)
+        loss_ref, grads_ref = reference(model, ids, labels)
+        for config in CONFIGS[:2]:
+            cm.switch(config.name)
+            cm.zero_grad()
+            loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
+            grads = cm.full_grads()
+            program = cm._state(config.name).programs[next(reversed(cm._state(config.name).programs))]
+            out[config.name, seq] = dict(
+                loaded=program.loaded, propagated=program.propagate_seconds > 0,
+                coordinate=tuple(cm._state(config.name).mesh.get_coordinate()),
+                loss_err=abs(loss.item() - loss_ref.item()) / loss_ref.item(),
+                grad_err=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
     return out
 
 
@@ -218,12 +223,16 @@ def test_a_third_length_is_fitted_and_equals_a_replay(results):
 
 def test_dp_ranks_lower_one_program_for_all(results):
     ranks = results["check_dp_ranks_lower_one_program"].raise_if_failed()
-    assert sum(not r["dp4"]["loaded"] for r in ranks) == 1  # one of the four lowered dp4
-    lowered = [r["dp2tp2"]["coordinate"] for r in ranks if not r["dp2tp2"]["loaded"]]
-    assert sorted(c[1] for c in lowered) == [0, 1], lowered  # one rank per tp coordinate lowered dp2tp2
-    for r in ranks:
+    for seq in (12, 16):
+        assert sum(not r["dp4", seq]["loaded"] for r in ranks) == 1  # one of the four lowered dp4
+        lowered = [r["dp2tp2", seq]["coordinate"] for r in ranks if not r["dp2tp2", seq]["loaded"]]
+        assert sorted(c[1] for c in lowered) == [0, 1], lowered  # one rank per tp coordinate lowered dp2tp2
+        for r in ranks:
+            for name in ("dp4", "dp2tp2"):
+                assert r[name, seq]["loss_err"] <= 1e-5 and r[name, seq]["grad_err"] <= 1e-5, (name, seq, r)
+    for r in ranks:  # at the second length a rank that loads the program has not replayed the decisions
         for name in ("dp4", "dp2tp2"):
-            assert r[name]["loss_err"] <= 1e-5 and r[name]["grad_err"] <= 1e-5, (name, r)
+            assert r[name, 16]["propagated"] == (not r[name, 16]["loaded"]), (name, r)
 
 
 def test_inductor_dp_tp_sp_equals_eager_and_one_device(results):
