@@ -10,9 +10,10 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
+from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, in sympy
 
-__all__ = ["FakeTensorMode", "OpOverload", "arg_leaves", "codegen", "core_aten_decompositions", "detect_fake_mode",
-           "half_precision_math_attention",
+__all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "arg_leaves", "codegen", "core_aten_decompositions",
+           "detect_fake_mode", "half_precision_math_attention",
            "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "op_schema", "pytree",
            "size_hint", "symbolic_fake_mode", "symbols_of"]
 

@@ -6,12 +6,19 @@ builds every node: most of a lowering. But two programs of one config, at the sa
 lengths, are usually one graph whose integer arguments (view and split sizes, ranges, fills) are
 affine functions of the length. `fit` finds those functions; `LengthFit.at(length)` writes the
 program at another length as a copy of the first with the integers evaluated there. This is
-torch.compile's automatic dynamic shapes in spirit: the first length is specialized, and once a
-second one is seen the length is treated as a variable.
+torch.compile's automatic dynamic shapes in spirit: the first length is specialized, the second is
+replayed, and from the third on the length is treated as a variable.
+
+The two programs may come from different paths (searched on one rank, replayed on another, loaded
+from another dp rank): their nodes are paired by position, names aside, and a size's -1 or a slice's
+end past its dim is read as the size it stands for (`resolved_arguments`) before comparing. Meta
+values are fitted in their sizes and strides, not their storage offsets (meta results memoized across
+views do not always carry one).
 
 Refused (`CannotFit`, with the reason) when:
 - the two graphs differ other than in integers (an uneven length adds ops, say), or a float or a
-  constant tensor differs (DTensor's uneven gathers read index tensors built for one length);
+  constant tensor differs (DTensor's uneven gathers read index tensors built for one length), or a
+  sentinel differs (a -1 against a number, an end of 2**63 - 1);
 - at the new length an integer is not whole, or a size is negative: the affine functions carry the
   divisibility the sharding needs (a local length L/4 refuses L = 18, which DTensor splits unevenly);
 - at the new length a view's input and output would hold different numbers of elements: how an
@@ -27,9 +34,8 @@ from fractions import Fraction
 import sympy
 import torch
 import torch.fx as fx
-from torch.utils._sympy.functions import FloorDiv
 
-from ._torch import codegen
+from ._torch import FloorDiv, codegen
 
 __all__ = ["CannotFit", "LengthFit", "affine_in_length", "fit", "resolved_arguments"]
 
