@@ -268,35 +268,39 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     else:
         t_propagate = time.perf_counter()
         try:
-            sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None,
-                                       cp_axis=axis.get("cp"),
-                                       seq_symbol=seq_sym, pinned_nodes=param_views(graph, n_p), strict=strict,
-                                       memo=memo, decided=decided)
-        except BaseException:
+            try:
+                sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None,
+                                           cp_axis=axis.get("cp"), seq_symbol=seq_sym,
+                                           pinned_nodes=param_views(graph, n_p), strict=strict, memo=memo,
+                                           decided=decided)
+            except BaseException:
+                if key is not None and decided is None:
+                    cache.failed(key)
+                raise
+            propagate_seconds = time.perf_counter() - t_propagate
+            decisions = sharding.placements()
             if key is not None and decided is None:
-                cache.failed(key)
+                cache.put(key, decisions)
+            if reduce:
+                plan = OutputPlan(split_loss=logic.split_loss, num_losses=2 if logic.split_loss else 1,
+                                  param_specs=tuple(specs[:n_p]) if train else ())
+            else:
+                out_vals = [n.meta["val"] for n in _leaves(graph)]
+                # activations, in the next stage's layout
+                sent = [(i, boundary_spec(out_vals[i])) for i in range(n_out)]
+                if train:
+                    first_grad_in = n_out + n_losses + n_p
+                    sent += [(first_grad_in + k, specs[n_p + n_b + n_i + k]) for k in range(n_acts_in)]
+                plan = StageOutputPlan(forward_outputs=tuple(range(n_out + n_losses)), sent=tuple(sent))
+            # ranks that differ only in their dp coordinate lower the same program unless it reads that
+            # coordinate (`lower.reads_coordinate`): the first to get here lowers it for the others
+            one_for_all = cache is not None and dp_dim is not None and not reads_coordinate(
+                sharding, graph, dp_dim, _plan_redistributions(plan, sharding.output_specs))
+        except BaseException:
             if claimed is not None:
-                cache.failed(claimed)  # the dp ranks waiting for it propagate themselves (and raise the same)
+                cache.failed(claimed)  # the dp ranks waiting for it lower it themselves (and raise the same)
             raise
-        propagate_seconds = time.perf_counter() - t_propagate
-        decisions = sharding.placements()
-        if key is not None and decided is None:
-            cache.put(key, decisions)
-        if reduce:
-            plan = OutputPlan(split_loss=logic.split_loss, num_losses=2 if logic.split_loss else 1,
-                              param_specs=tuple(specs[:n_p]) if train else ())
-        else:
-            out_vals = [n.meta["val"] for n in _leaves(graph)]
-            sent = [(i, boundary_spec(out_vals[i])) for i in range(n_out)]  # activations, in the next stage's layout
-            if train:
-                first_grad_in = n_out + n_losses + n_p
-                sent += [(first_grad_in + k, specs[n_p + n_b + n_i + k]) for k in range(n_acts_in)]
-            plan = StageOutputPlan(forward_outputs=tuple(range(n_out + n_losses)), sent=tuple(sent))
-        # ranks that differ only in their dp coordinate lower the same program unless it reads that
-        # coordinate (`lower.reads_coordinate`): the first to get here lowers it for the others
         shared = None
-        one_for_all = cache is not None and dp_dim is not None and not reads_coordinate(
-            sharding, graph, dp_dim, _plan_redistributions(plan, sharding.output_specs))
         if shared_before is not None and dp_dim is not None:
             shared_before[graph] = one_for_all
         if claimed is not None:  # ours to lower for the other dp ranks, or to tell them to lower their own
