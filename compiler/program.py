@@ -359,13 +359,10 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
 
 def fit_programs(logic: LogicGraph, first: StageProgram, length_a: int, second: StageProgram,
                  length_b: int) -> LengthFit:
-    """The whole-model programs of one config at the same rows and two sequence lengths as one
-    program in the length (`compiler.lengths`), or CannotFit saying why not. The second must have
-    been lowered here by replaying the first's decisions with none searched again: a program at a
+    """The programs of one config (or pipeline stage) at the same rows and two sequence lengths as
+    one program in the length (`compiler.lengths`), or CannotFit saying why not. The second must
+    have been lowered by replaying the first's decisions with none searched again: a program at a
     further length is then what a replay would write there."""
-    for p in (first, second):
-        if p.backward is not None or p.recv_acts:
-            raise CannotFit("a pipeline stage's programs are lowered at every length")
     if not second.replayed_all:
         raise CannotFit(f"the program at length {length_b} did not replay every decision of length {length_a}")
     if first.deferred_specs != second.deferred_specs or first.mixes_rows != second.mixes_rows:
@@ -382,5 +379,14 @@ def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes:
     t0 = time.perf_counter()
     gm = fitted.at(length)
     gm.meta["hotswitch"] = {**like.joint.meta["hotswitch"], "local_shapes": tuple(local_shapes), "sharding": None}
-    return replace(like, joint=gm, forward=gm, seconds=time.perf_counter() - t0, propagate_seconds=0.0,
-                   replayed=0, loaded=False, replayed_all=False, fitted=fitted.lengths)
+    # a stage's boundary: the last placeholders are the activations and the gradients it receives
+    received = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    received = received[len(received) - len(like.recv_acts) - len(like.recv_grads):]
+    received = [(tuple(v.shape), v.dtype) for v in received]
+    forward, backward = gm, None
+    if like.backward is not None:
+        forward, backward, _ = split_forward_backward(gm, len(like.recv_grads),
+                                                      tuple(range(like.n_acts_out + like.n_losses)))
+    return replace(like, joint=gm, forward=forward, backward=backward, recv_acts=received[:len(like.recv_acts)],
+                   recv_grads=received[len(like.recv_acts):], seconds=time.perf_counter() - t0,
+                   propagate_seconds=0.0, replayed=0, loaded=False, replayed_all=False, fitted=fitted.lengths)

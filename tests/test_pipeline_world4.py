@@ -79,12 +79,16 @@ def _equivalence(kind, cases, extra=()):
 
 def check_gpt_pipeline_equivalence():
     report = _equivalence("gpt", [(1, "1f1b"), (2, "1f1b"), (2, "gpipe")], extra=["tp2pp2sp"])
-    # another sequence length lowers on demand (the stage graphs are dynamic in it too)
+    # other sequence lengths lower on demand (the stage graphs are dynamic in it too); from the third
+    # length of the first micro-batch shape on, the stage programs are written from a fit (compiler.lengths)
     cm = _compiled("gpt")
-    ids, labels = batch(seq=7, seed=1)
-    loss_ref, grads_ref = reference(make_model("gpt"), ids, labels)
-    _assert_step(cm, ids, labels, loss_ref, grads_ref, "seq 7", micro_batches=2)
+    cm.switch("tp2pp2")
+    for seq in (7, 9, 10):
+        ids, labels = batch(seq=seq, seed=1)
+        loss_ref, grads_ref = reference(make_model("gpt"), ids, labels)
+        _assert_step(cm, ids, labels, loss_ref, grads_ref, f"seq {seq}", micro_batches=2)
     cm.zero_grad()
+    report["fitted"] = [p.fitted for p in cm._states["tp2pp2"].programs.values()]
     return report
 
 
@@ -237,7 +241,10 @@ def _check_report(reports):
 
 
 def test_gpt_pipeline_matches_single_device(results):
-    _check_report(results["check_gpt_pipeline_equivalence"].raise_if_failed())
+    reports = results["check_gpt_pipeline_equivalence"].raise_if_failed()
+    _check_report(reports)
+    for report in reports:  # lengths 9 and 10 of micro-batches of 3 and 2 rows: fitted from 12 and 7
+        assert sorted(f for f in report["fitted"] if f is not None) == [(12, 7)] * 4, report["fitted"]
 
 
 def test_hf_llama_pipeline_matches_single_device(results):

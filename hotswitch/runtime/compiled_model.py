@@ -42,8 +42,8 @@ from hotswitch.switch.state import StateKind, split_key, state_key
 
 @dataclass
 class LengthFamily:
-    """A config's whole-model programs at one local shape but the sequence length: the first two
-    lowered, then their fit (`compiler.lengths`), or why they do not fit."""
+    """A config's programs (its stage's on this rank, under pp > 1) at one local shape but the sequence
+    length: the first two lowered, then their fit (`compiler.lengths`), or why they do not fit."""
 
     lowered: list[tuple[int, StageProgram]] = field(default_factory=list)  # (length, program)
     fit: LengthFit | None = None
@@ -926,7 +926,7 @@ class CompiledModel:
             graph = (train, st.stage)
             what = f"{st.config.name} for local {'micro-batches' if not reduce else 'inputs'} {list(key[0][0])}" + (
                 "" if train else " (forward only)") + (f", stage {st.stage}" if stage is not None else "")
-            program = self._fitted(st, key) if stage is None else None
+            program = self._fitted(st, key)
             if program is not None:
                 how = f"fitted from lengths {program.fitted[0]} and {program.fitted[1]}"
             else:
@@ -942,8 +942,7 @@ class CompiledModel:
                 else:
                     how = f"{program.replayed} placements replayed" if program.replayed else "placements searched"
                     how += f" in {program.propagate_seconds:.1f} s"
-                if stage is None:
-                    self._learn_length(st, key, program)
+                self._learn_length(st, key, program)
             self._report(f"lowered {what} in {program.seconds:.1f} s ({how})")
             st.programs[key] = program
             st.compile_seconds[key] = program.seconds
@@ -960,8 +959,8 @@ class CompiledModel:
         return (family, train, reduce), lengths.pop()
 
     def _learn_length(self, st: ConfigState, key: tuple, program: StageProgram) -> None:
-        """After lowering a whole-model program: the first two at its shapes but the length are kept,
-        for `_fitted` to fit when a third length comes."""
+        """After lowering a program (the whole model's, or this rank's stage's): the first two at its
+        shapes but the length are kept, for `_fitted` to fit when a third length comes."""
         found = self._by_length(key)
         if found is not None:
             family = st.lengths.setdefault(found[0], LengthFamily())
