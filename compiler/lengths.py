@@ -36,12 +36,10 @@ import torch
 import torch.fx as fx
 
 from ._torch import FloorDiv, codegen
+from .tp_rules import RESHAPE_OPS, SIZED_VIEW_OPS
 
 __all__ = ["CannotFit", "LengthFit", "affine_in_length", "fit", "resolved_arguments"]
 
-# ops whose size argument must keep the number of elements (the check at a new length)
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.reshape.default)
-_SIZED = (*_VIEWS, torch.ops.aten.expand.default)  # ops whose argument 1 is a size where -1 stands for one
 
 
 class CannotFit(ValueError):
@@ -116,10 +114,11 @@ def _pair_leaves(a, b, out: list) -> bool:
 
 @dataclass(frozen=True)
 class _TensorFit:
-    """A node's meta value (a meta tensor) as the length changes."""
+    """A node's meta value (a meta tensor) as the length changes: dense in one order of its dims, or
+    of strides that do not change."""
 
     sizes: tuple  # ints and Affines
-    strides: tuple | None  # ints and Affines; None: dense in `order` at every length
+    strides: tuple[int, ...] | None  # None: dense in `order` at every length
     order: tuple[int, ...]  # dims from outermost to innermost (for strides=None)
     offset: int
     dtype: torch.dtype
@@ -127,19 +126,26 @@ class _TensorFit:
 
     def at(self, length: int) -> torch.Tensor:
         sizes = [_at(s, length) for s in self.sizes]
-        if self.strides is None:
+        if min(sizes, default=0) < 0:
+            raise CannotFit(f"a size would be negative at length {length}: {sizes}")
+        strides = self.strides
+        if strides is None:
             strides, step = [0] * len(sizes), 1
             for d in reversed(self.order):
                 strides[d] = step
                 step *= max(sizes[d], 1)
-        else:
-            strides = [_at(s, length) for s in self.strides]
-        if min(sizes, default=0) < 0 or min(strides, default=0) < 0:
-            raise CannotFit(f"a size or a stride would be negative at length {length}: {sizes}, {strides}")
         t = torch.empty_strided(sizes, strides, dtype=self.dtype, device="meta")
         if self.offset:
             t = t.as_strided(sizes, strides, self.offset)
         return t.requires_grad_(self.requires_grad) if self.dtype.is_floating_point else t
+
+
+class _NotDense(Exception):
+    """A value not dense in one order whose strides change between the lengths (a slice of a tensor
+    whose strides hold L * L): the fit does not follow it; its op is run on meta values instead."""
+
+
+_RUN = "run its op"  # a node's fitted value: computed by running the node on its inputs' values
 
 
 def _dense_order(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -165,16 +171,14 @@ def _fit_val(a, b, la: int, lb: int, where: str):
         if a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset():
             return a  # a description, never written to: shared by the programs of every length
         sizes = tuple(_fit_leaf(x, y, la, lb, where) for x, y in zip(a.shape, b.shape))
-        order = _dense_order(a)
-        if order is not None and _dense_in(b, order):
-            strides = None
-        else:
-            order = tuple(range(a.dim()))
-            strides = tuple(_fit_leaf(x, y, la, lb, where) for x, y in zip(a.stride(), b.stride()))
+        order, strides = _dense_order(a), None
+        if order is None or not _dense_in(b, order):
+            if a.stride() != b.stride():
+                raise _NotDense  # strides that move with the length, maybe as L * L: not fitted
+            order, strides = (), a.stride()
         # a storage offset is not read off a program's values (and meta results memoized across
         # views do not always carry it): the first's, where the two differ
-        offset = a.storage_offset()
-        return _TensorFit(sizes, strides, order, offset, a.dtype, a.requires_grad)
+        return _TensorFit(sizes, strides, order, a.storage_offset(), a.dtype, a.requires_grad)
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
         return type(a)(_fit_val(x, y, la, lb, where) for x, y in zip(a, b))
     return _fit_leaf(a, b, la, lb, where)
@@ -185,7 +189,7 @@ def resolved_arguments(node: fx.Node) -> tuple:
     and a slice's end past its dim as the dim's size (DTensor's search may leave either where a
     replay writes the local size)."""
     args, val = node.args, node.meta.get("val")
-    if node.target in _SIZED and len(args) > 1 and isinstance(args[1], (tuple, list)) and -1 in args[1] \
+    if node.target in SIZED_VIEW_OPS and len(args) > 1 and isinstance(args[1], (tuple, list)) and -1 in args[1] \
             and isinstance(val, torch.Tensor):
         size = [val.shape[i] if s == -1 else s for i, s in enumerate(args[1])]
         return (args[0], size, *args[2:]), node.kwargs
@@ -209,6 +213,15 @@ def _val_at(fitted, length: int):
     if isinstance(fitted, (tuple, list)):
         return type(fitted)(_val_at(x, length) for x in fitted)
     return _at(fitted, length)
+
+
+def _run_on_meta(node: fx.Node):
+    """`node`'s value from its inputs' (meta) values: its op run on them."""
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
+    try:
+        return node.target(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - an op without a meta kernel, say: the length is lowered
+        raise CannotFit(f"its value at this length could not be computed ({type(e).__name__}: {e})") from None
 
 
 @dataclass(frozen=True)
@@ -235,10 +248,10 @@ class LengthFit:
                 new.meta = dict(node.meta)
             if node in self.vals:
                 try:
-                    new.meta["val"] = _val_at(self.vals[node], length)
+                    new.meta["val"] = _run_on_meta(new) if self.vals[node] is _RUN else _val_at(self.vals[node], length)
                 except CannotFit as e:
                     raise CannotFit(f"{node.name} ({node.target}): {e}") from None
-                if node.target in _VIEWS:
+                if node.target in RESHAPE_OPS:  # the number of elements kept: the check at a new length
                     before, after = env[node.args[0]].meta["val"], new.meta["val"]
                     if before.numel() != after.numel():
                         raise CannotFit(f"{node.name} would view {list(before.shape)} as {list(after.shape)} "
@@ -280,8 +293,13 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
             leaves.append(leaf)
         if varies:
             args[a] = tuple(leaves)
-        val = _fit_val(a.meta.get("val"), b.meta.get("val"), length_a, length_b, where)
-        if _varies(val):
+        try:
+            val = _fit_val(a.meta.get("val"), b.meta.get("val"), length_a, length_b, where)
+        except _NotDense:
+            if a.op != "call_function":
+                raise CannotFit(f"{where}: an input whose strides move with the length") from None
+            val = _RUN
+        if val is _RUN or _varies(val):
             vals[a] = val
     return LengthFit(first, (length_a, length_b), args, vals)
 

@@ -34,7 +34,7 @@ from . import attention as _attention
 from . import handoff
 from ._dtensor import OpSchema
 from ._torch import FakeTensorMode, OpOverload, arg_leaves, map_args, op_schema, pytree
-from .tp_rules import VIEW_OPS
+from .tp_rules import SIZED_VIEW_OPS, VIEW_OPS
 
 _attention.register()  # document_attention's rule, beside DTensor's for aten ops
 
@@ -48,9 +48,6 @@ _FRESH_OPS = _LIKE_OPS | {aten.new_zeros.default, aten.new_empty.default, aten.n
                           aten.new_ones.default, aten.zeros.default, aten.full.default, aten.empty.memory_format,
                           aten.ones.default, aten.scalar_tensor.default}
 _ADD_OPS = {aten.add.Tensor, aten.sub.Tensor}
-# Views whose size argument DTensor rewrites into the local shape of their output: replayed at another
-# input shape with the local shape of the output there (`_replay`), not searched again.
-_RESIZE_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket size
 
 
@@ -280,7 +277,7 @@ class ShardingDecisions:
     these placements do not depend on them, so lowering the graph for another input shape replays
     them (a fake run per op for the new global shapes) instead of running DTensor's strategy search
     again. A view whose size DTensor rewrote into its output's local shape gets that local shape at
-    the new size (`_RESIZE_OPS`); other ops whose arguments DTensor rewrites for its choice, and ops
+    the new size (`tp_rules.SIZED_VIEW_OPS`); other ops whose arguments DTensor rewrites for its choice, and ops
     with a _StridedShard (whose split factor is a shape), are propagated anew. Plain
     values: picklable, kept per config in memory and in the persistent cache (`hotswitch.compiler.cache`)."""
 
@@ -393,7 +390,7 @@ def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
     # an input wanted as it arrives keeps its spec (building one costs more than the rest of a replay)
     want_specs = [specs[n] if _as_it_arrives(w, specs[n]) else dt.DTensorSpec(mesh, w, specs[n].tensor_meta)
                   for n, w in zip(tensor_nodes, want)]
-    if node.target in _RESIZE_OPS:  # the view's size, as DTensor rewrote it: the output's local shape
+    if node.target in SIZED_VIEW_OPS:  # the view's size, as DTensor rewrote it: the output's local shape
         if not (_evenly_sharded(out_spec) and _evenly_sharded(want_specs[0])):
             return None  # uneven pieces at this shape: DTensor decides it again
         args = (args[0], list(dt.local_shape(out_spec)))
@@ -549,8 +546,9 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
 
 
 def _sized_as_output(target, args, kwargs, out_spec) -> bool:
-    """Did DTensor rewrite only this view's size, into its output's local shape (`_RESIZE_OPS`)?"""
-    return (target in _RESIZE_OPS and not kwargs and len(args) == 2 and isinstance(args[0], dt.DTensorSpec)
+    """Did DTensor rewrite only this view's size, into its output's local shape? Then the decision
+    is replayed at another shape with the output's local shape there (`_replay`)."""
+    return (target in SIZED_VIEW_OPS and not kwargs and len(args) == 2 and isinstance(args[0], dt.DTensorSpec)
             and isinstance(out_spec, dt.DTensorSpec) and list(args[1]) == list(dt.local_shape(out_spec)))
 
 

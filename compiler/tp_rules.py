@@ -29,6 +29,9 @@ VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, 
             aten.permute.default, aten.transpose.int, aten.unsqueeze.default, aten.squeeze.dim,
             aten.squeeze.dims, aten.expand.default, aten.clone.default, aten.alias.default,
             aten._to_copy.default, aten.contiguous.default}
+# views whose argument 1 is the output's size (-1: inferred), and those of them that keep the numel
+RESHAPE_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+SIZED_VIEW_OPS = RESHAPE_OPS | {aten.expand.default}
 _TRANSPOSE_OPS = {aten.t.default, aten.transpose.int, aten.permute.default}
 _MATMUL_OPS = {aten.mm.default, aten.addmm.default}
 _BARRIER_OPS = {aten.native_layer_norm.default, aten.embedding.default, aten.rsqrt.default}
@@ -205,7 +208,7 @@ def _head_count(mm: fx.Node, features: int) -> int | None:
     while stack:
         n = stack.pop()
         for u in n.users:
-            if u.target in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            if u.target in RESHAPE_OPS:
                 shape = [int(s) if not isinstance(s, fx.Node) else None for s in u.args[1]]
                 if len(shape) >= 2 and shape[-1] and shape[-1] > 0 and shape[-2] == -1 and features % shape[-1] == 0:
                     return features // shape[-1]  # view(*batch, -1, head_dim), as Hugging Face writes it

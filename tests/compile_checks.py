@@ -139,36 +139,13 @@ def replay_equals_fresh(kind: str, config, seqs=(SEQ, 20), **overrides) -> dict:
     return out
 
 
-def graph_listing(gm) -> list[tuple]:
-    """A program node by node: op, target and arguments, up to names (a node read is its position),
-    sizes as lists whether tuples or lists, a view's or expand's -1 as the size it stands for
-    (DTensor's search leaves some, a replay writes them), a collective's process group by its place
-    (each compiled model makes groups of its own)."""
-    from hotswitch.compiler.lengths import resolved_arguments
-
-    where = {n: i for i, n in enumerate(gm.graph.nodes)}
-
-    def plain(a):
-        if isinstance(a, (tuple, list)):
-            return [plain(x) for x in a]
-        if isinstance(a, dict):
-            return {k: plain(v) for k, v in a.items()}
-        return f"%{where[a]}" if isinstance(a, torch.fx.Node) else a
-
-    out = []
-    for n in gm.graph.nodes:
-        args, kwargs = resolved_arguments(n)
-        if str(n.target).startswith("_c10d_functional.") and isinstance(args[-1], str):
-            args = args[:-1]
-        out.append((n.op, str(n.target), plain(args), plain(dict(kwargs))))
-    return out
-
-
 def fitted_equals_replayed(kind: str, config, seqs=(SEQ, 16), later=(20, 18)) -> dict:
     """Lower `config` at the lengths `seqs` (the second replays the first's decisions), then at each
     of `later`: written from the fit of the two (`compiler.lengths`) where it holds, lowered where
     it does not. Another compiled model replays the first length's decisions at each later length:
     the same program node for node, the same loss and gradients, and both equal to one device."""
+    from tests.reference_lowering import same_program
+
     model = make_model(kind)
     os.environ["HOTSWITCH_CACHE"] = "0"  # the second length is a replay here, not an entry on disk
     try:
@@ -183,18 +160,20 @@ def fitted_equals_replayed(kind: str, config, seqs=(SEQ, 16), later=(20, 18)) ->
         ids, labels = batch(seq=seq)
         shapes = (tuple(ids.shape), tuple(labels.shape))
         loss_ref, grads_ref = reference(model, ids, labels)
-        row = {}
+        row, programs = {}, []
         replayed._state(name).lengths.clear()  # its one earlier length: this one is replayed, not fitted
         for label, c in (("fitted", cm), ("replayed", replayed)):
             gm = c.exec_graph(name, shapes)
+            programs.append(gm)
             (program,) = [p for p in c._state(name).programs.values() if p.joint is gm]
             c.zero_grad()
             loss = c.forward_backward(*c.shard_inputs(ids, labels))
             grads = c.full_grads()
-            row[label] = dict(fitted=program.fitted, listing=graph_listing(gm), loss=float(loss),
+            row[label] = dict(fitted=program.fitted, loss=float(loss),
                               loss_err=abs(loss.item() - loss_ref.item()) / loss_ref.item(),
                               grad_err=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref),
                               grads={k: v.clone() for k, v in grads.items()})
+        row["difference"] = same_program(*programs, portable=True)  # None: the same graph, node for node
         out[seq] = row
     return out
 

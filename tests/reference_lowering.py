@@ -19,6 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from hotswitch.compiler import _dtensor as dt
 from hotswitch.compiler._torch import pytree
+from hotswitch.compiler.lengths import resolved_arguments
 from hotswitch.compiler.lower import output_finisher, placed_on
 
 __all__ = ["lower_by_make_fx", "same_program"]
@@ -93,14 +94,17 @@ def _layout(v: torch.Tensor) -> tuple:
     return tuple(stride if size != 1 else None for size, stride in zip(v.shape, v.stride()))
 
 
-def _describe(gm: fx.GraphModule) -> list:
+def _describe(gm: fx.GraphModule, portable: bool = False) -> list:
     """Each node as (op, target, args and kwargs with nodes as their positions, local shape, layout,
-    dtype, phase); constants (get_attr) by value."""
+    dtype, phase); constants (get_attr) by value. `portable`: see `same_program`."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     out = []
     for n in nodes:
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: ("node", index[a]))
+        args, kwargs = resolved_arguments(n) if portable else (n.args, n.kwargs)
+        if portable and str(n.target).startswith("_c10d_functional.") and args and isinstance(args[-1], str):
+            args = (*args[:-1], "group")
+        args, kwargs = fx.node.map_arg((args, kwargs), lambda a: ("node", index[a]))
         args, kwargs = _plain(args), _plain(kwargs)
         val = n.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else (val,)
@@ -111,9 +115,12 @@ def _describe(gm: fx.GraphModule) -> list:
     return out
 
 
-def same_program(a: fx.GraphModule, b: fx.GraphModule) -> str | None:
-    """None when `a` and `b` are the same program (see `_describe`), else the first difference."""
-    da, db = _describe(a), _describe(b)
+def same_program(a: fx.GraphModule, b: fx.GraphModule, portable: bool = False) -> str | None:
+    """None when `a` and `b` are the same program (see `_describe`), else the first difference.
+    `portable`: programs of two compiled models (or two lowering paths): a collective's process group
+    by its place, not its name (each model makes groups of its own), and a view's -1 or a slice's end
+    past its dim as the size it stands for (DTensor's search leaves some, a replay writes them)."""
+    da, db = _describe(a, portable), _describe(b, portable)
     for i, (x, y) in enumerate(zip(da, db)):
         if x != y:
             return f"node {i}: {x} != {y}"
