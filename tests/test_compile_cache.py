@@ -100,3 +100,25 @@ def test_one_rank_searches_and_the_others_wait_for_its_decisions(tmp_path):
     # a rank's own program is never claimed nor awaited: both ranks lower theirs
     assert first.get("p", "program") is None and second.get("p", "program") is None
     assert first.once.computed == 2 and second.once.received == 1
+
+
+def test_a_logic_graph_traced_by_other_code_is_not_loaded(tmp_path, monkeypatch):
+    """The LogicGraph's key holds the torch and hotswitch versions, not only the model's fingerprint: a
+    Hugging Face model's code is its installed version, so an edited tracer (or kernel op) once loaded
+    the graph an older hotswitch had traced."""
+    import torch
+
+    from hotswitch.compiler import cache as cache_module
+    from hotswitch.models import GPT, GPTConfig
+    from hotswitch.runtime import shared
+
+    model = GPT(GPTConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16))
+    ids = torch.randint(0, 64, (2, 8))
+    store = shared.SharedCache(CompileCache(tmp_path), shared.JobOnce(store=None))
+    monkeypatch.setattr(shared, "_LOADED", {})
+    assert shared.trace_once(model, (ids, ids), store)[1] == "traced"
+    monkeypatch.setattr(shared, "_LOADED", {})
+    assert shared.trace_once(model, (ids, ids), store)[1] == "loaded"
+    monkeypatch.setattr(cache_module, "_version", lambda: "another hotswitch")
+    monkeypatch.setattr(shared, "_LOADED", {})
+    assert shared.trace_once(model, (ids, ids), store)[1] == "traced"

@@ -71,11 +71,14 @@ class JobOnce:
 def trace_once(model: torch.nn.Module, example_inputs, cache: SharedCache) -> tuple[LogicGraph, str]:
     """`model`'s LogicGraph and where it came from: "loaded" (the compile cache, or another rank of
     this job, traced it) or "traced" (this rank did, and published it). The key is the model's
-    fingerprint (`compiler.fingerprint`: code, settings, state shapes, example inputs), so no rank
-    and no later process loads another model's graph. Every rank, the tracer included, compiles
+    fingerprint (`compiler.fingerprint`: code, settings, state shapes, example inputs) with the torch
+    and hotswitch versions, so no rank and no later process loads another model's graph, or one
+    traced by other code. Every rank, the tracer included, compiles
     from the loaded bytes, so node names and cache keys are the same everywhere."""
     fingerprint = model_fingerprint(model, example_inputs)
-    key, persistent = "logic-" + fingerprint.digest, fingerprint.persistent
+    # the versions too (CompileCache.key): a graph traced by another torch or another hotswitch (an
+    # edited tracer, a kernel op's new fake) is never loaded
+    key, persistent = "logic-" + CompileCache.key("logic", fingerprint.digest), fingerprint.persistent
     if key in _LOADED:  # this process compiled the same model before: a LogicGraph is never edited
         return _LOADED[key], "loaded"
     payload = cache.get(key, "logic", persistent=persistent)
