@@ -38,6 +38,7 @@ from ._torch import (
     is_mutable,
     pytree,
 )
+from .attention import AttentionWhole
 from .garbage import collector_paused
 from .signature import InputError, LossModule, ModelCall
 
@@ -450,7 +451,8 @@ def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[in
             out.append(dims)
         return (tuple(out),)  # LossModule.forward(*tensors): export binds them to one parameter
 
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings():
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings(), \
+            AttentionWhole():  # attention one op, run by torch's fused kernels (compiler/attention.py)
         # torch 2.13's own pytree use warns on every export; nothing for the user to act on
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         try:

@@ -52,11 +52,12 @@ if __name__ == "__main__":
     parser.add_argument("--data", default=DATA, help="JSONL file of token ids (default: the shipped example)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps (default: 4)")
     parser.add_argument("--batch-size", type=int, default=16, help="sequences per global batch (default: 16)")
-    parser.add_argument("--memory-budget-mib", type=float, default=8.0,
-                        help="per-rank memory budget; at 8 MiB this model's longest bucket does not fit pure data "
-                        "parallelism, so long sequences run under tp+sp (default: 8)")
-    parser.add_argument("--micro-batch-tokens", type=int, default=256,
-                        help="tokens per data-parallel replica per micro-batch (default: 256)")
+    parser.add_argument("--memory-budget-mib", type=float, default=4.0,
+                        help="per-rank memory budget; at 4 MiB this model's longest bucket does not fit pure data "
+                        "parallelism (one row of 128 tokens is more than a replica's 64), so long sequences run "
+                        "under tp+sp (default: 4)")
+    parser.add_argument("--micro-batch-tokens", type=int, default=64,
+                        help="tokens per data-parallel replica per micro-batch (default: 64)")
     parser.add_argument("--nproc", type=int, default=4, help="processes to spawn without torchrun (default: 4)")
     args = parser.parse_args()
     hs.launch(main, int(os.environ.get("WORLD_SIZE", args.nproc)), args)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 __all__ = ["GROUP_QUERIES", "AttentionGroups", "document_attention", "document_groups", "from_tokens_first",
            "grouped_attention", "grouped_attention_backward", "groups_for", "keys_values", "local_implementation",
-           "tokens_first"]
+           "masked_attention", "masked_attention_backward", "masked_call", "tokens_first"]
 
 GROUP_QUERIES = 256  # short documents share one call up to this many queries; a long one is cut into
 # blocks of this many queries, each attending only to the keys up to its last position (the dense mask
@@ -247,3 +247,100 @@ def _backward(ctx, grad):
 
 
 document_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------ masked attention, kept whole
+
+
+def _attend(q, k, v, mask, scale, causal):
+    if causal and q.shape[2] == k.shape[2]:  # every query here: torch's causal flash kernel, no mask read
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    if k.shape[1] != q.shape[1]:  # grouped queries: torch's fused kernels that take a mask want equal heads
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+@torch.library.custom_op("hotswitch::masked_attention", mutates_args=())
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                     scale: float, causal: bool) -> torch.Tensor:
+    """`scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)` as one op of the
+    LogicGraph: [B, H, Tq, d] queries, [B, Hkv, Tk, d] keys and values (H a multiple of Hkv), a 4-D
+    mask broadcastable to [B, H, Tq, Tk] (bool: True attends; float: added to the scores). Traced
+    whole (`hotswitch.compiler.attention.AttentionWhole`), it runs torch's fused kernel at run time
+    (memory-efficient attention on a GPU, the flash kernel on a CPU) where the math decomposition
+    materialised the [B, H, Tq, Tk] scores and their softmax several times over. `causal`: the mask is
+    the causal one (`masked_call` wrote it), so where a rank holds every query, torch's causal kernel
+    runs without reading it; a rank holding a shard of the queries reads its rows of the mask."""
+    return _attend(q, k, v, mask, scale, causal).contiguous()
+
+
+@masked_attention.register_fake
+def _(q, k, v, mask, scale, causal):
+    return q.new_empty(*q.shape[:3], v.shape[3])
+
+
+def _autograd_below_op():
+    """Autograd back on inside an op's implementation, which the dispatcher runs with the autograd keys
+    excluded; every other exclusion (autocast off, say) stays. torch's private dispatch-key guard: the
+    one private torch call of this package."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor", "ADInplaceOrView"):
+        exclude = exclude.remove(getattr(C.DispatchKey, key))
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
+
+
+@torch.library.custom_op("hotswitch::masked_attention_backward", mutates_args=())
+def masked_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              mask: torch.Tensor, scale: float, causal: bool
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of q, k and v by torch's backward of the fused kernel, its forward recomputed: only q,
+    k, v and the mask are kept between forward and backward. Plain autograd inside the op (its
+    implementation runs below the autograd of the graph that calls it; functorch's vjp, tried first,
+    broke under Inductor)."""
+    with _autograd_below_op(), torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+        out = _attend(q, k, v, mask, scale, causal)
+        return tuple(g.contiguous() for g in torch.autograd.grad(out, (q, k, v), grad))
+
+
+@masked_attention_backward.register_fake
+def _(grad, q, k, v, mask, scale, causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _masked_setup_context(ctx, inputs, output):
+    q, k, v, mask, scale, causal = inputs
+    ctx.save_for_backward(q, k, v, mask)
+    ctx.scale, ctx.causal = scale, causal
+
+
+def _masked_backward(ctx, grad):
+    q, k, v, mask = ctx.saved_tensors
+    dq, dk, dv = masked_attention_backward(grad.contiguous(), q, k, v, mask, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None, None
+
+
+masked_attention.register_autograd(_masked_backward, setup_context=_masked_setup_context)
+
+
+def masked_call(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """The arguments of `masked_attention` for a `scaled_dot_product_attention` call that it computes
+    exactly, else None (dropout, a mask that takes gradients, tensors that are not [B, H, T, d], heads
+    that do not group). A causal call gets its mask written out (top-left aligned, as torch's
+    `is_causal`): the mask carries every query's position, so a shard of the queries stays exact."""
+    if (dropout_p or query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or (is_causal and attn_mask is not None)
+            or (attn_mask is not None and (attn_mask.requires_grad or attn_mask.dim() > 4))
+            or query.shape[1] % key.shape[1] or (query.shape[1] != key.shape[1] and not enable_gqa)):
+        return None
+    if is_causal:
+        rows = torch.arange(query.shape[2], device=query.device)
+        cols = torch.arange(key.shape[2], device=query.device)
+        attn_mask = (rows[:, None] >= cols[None, :])
+    if attn_mask is None:
+        attn_mask = torch.ones(1, 1, 1, key.shape[2], dtype=torch.bool, device=query.device)
+    while attn_mask.dim() < 4:  # broadcast from the right, as SDPA does
+        attn_mask = attn_mask.unsqueeze(0)
+    scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+    return query, key, value, attn_mask, scale, bool(is_causal)

@@ -92,8 +92,9 @@ def check_trainer_with_cp_buckets_matches_single_device():
 
 def check_attention_gathers_keys_and_values_over_cp():
     """cp4 on the 2-layer GPT: per layer, the forward all-gathers K and V over the cp ranks and
-    nothing else; the backward gathers them again and reduce-scatters their gradients onto the
-    sequence; one bucketed all-reduce of the weight gradients at the end."""
+    nothing else (attention is one op, `masked_attention`, on the rank's queries and all keys); the
+    backward reuses them and reduce-scatters their gradients onto the sequence; one bucketed
+    all-reduce of the weight gradients at the end."""
     ids, labels = batch(seq=12)
     cm = hs.compile(make_model("gpt"), (ids, labels), configs=["cp4"])
     gm = cm.exec_graph("cp4")
@@ -146,8 +147,8 @@ def test_gpt_under_cp_configs_and_cp_pipeline_matches_single_device(results):
     # the attention exchange appears under every cp config (more under tp2cp2: tp's all-reduces);
     # under cp2pp2 a stage's program holds one of the two blocks
     counts = r.values[0]
-    assert all(counts[c.name]["all_gather"] == 8 and counts[c.name]["reduce_scatter"] == 4 for c in CP_CONFIGS)
-    assert counts["cp2pp2"]["all_gather"] == 4 and counts["cp2pp2"]["reduce_scatter"] == 2
+    assert all(counts[c.name]["all_gather"] == 4 and counts[c.name]["reduce_scatter"] == 4 for c in CP_CONFIGS), counts
+    assert counts["cp2pp2"]["all_gather"] == 2 and counts["cp2pp2"]["reduce_scatter"] == 2, counts
 
 
 def test_hf_llama_gqa_under_cp_configs_matches_single_device(results):
@@ -178,7 +179,7 @@ def test_attention_gathers_keys_and_values_over_cp(results):
     assert r.ok, r.errors
     by_phase, gathered = r.values[0]
     assert by_phase["forward"] == ["all_gather"] * 4  # K and V, two layers
-    assert by_phase["backward"] == ["all_gather"] * 4 + ["reduce_scatter"] * 4
+    assert by_phase["backward"] == ["reduce_scatter"] * 4
     assert by_phase["reduce"] == ["all_reduce"]
     # each rank's keys / values (3 of the 12 positions) gathered from the 4 cp ranks
     assert all(out == 4 * local for local, out in gathered), gathered

@@ -73,7 +73,7 @@ def test_switch_hf_model_under_torchrun_follows_one_device():
 @pytest.mark.slow
 def test_train_mixed_lengths_on_the_shipped_jsonl():
     """Plain python (hs.launch spawns 2 processes): the Trainer over examples/data/mixed_lengths.jsonl;
-    within the 8 MiB budget the longest bucket runs under tp2sp, the short ones under dp2."""
+    within the 4 MiB budget the longest bucket runs under tp2sp, the short ones under dp2."""
     out = _run("examples/train_mixed_lengths.py", "--nproc", "2", "--steps", "2", timeout=900)
     steps = re.findall(r"^step (\d+) loss (\d+\.\d+) tokens (\d+) .* switch [\d.]+s "
                        r"\([\d.]+%, [\d.]+s overlapped\) (.*)$", out, re.M)

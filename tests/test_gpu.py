@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import hotswitch as hs
 from tests.compile_checks import batch, make_model, rel_err
@@ -70,3 +71,32 @@ def test_bf16_trainer_on_nccl_tracks_fp32_adamw():
         assert step["compute_dtypes"] == {"torch.bfloat16"} and step["master_dtypes"] == {"torch.float32"}, step
         assert abs(step["loss"] - ref_loss) <= 2e-2 * abs(ref_loss), (step["loss"], ref_loss)
         assert max(rel_err(step["weights"][k], v) for k, v in ref_weights.items()) <= 1e-2
+
+
+def test_masked_attention_runs_a_fused_kernel_in_bf16():
+    """The op's forward and backward on CUDA in bf16 track an fp32 reference (the math form on the same
+    GPU), and its peak memory is that of a fused kernel: far below the [B, H, T, T] scores."""
+    from hotswitch.kernels.attention import masked_attention, masked_call
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, kv, t, d = 2, 16, 4, 2048, 64
+    q = torch.randn(b, h, t, d, device="cuda", generator=g)
+    k, v = (torch.randn(b, kv, t, d, device="cuda", generator=g) for _ in range(2))
+    w = torch.randn(b, h, t, d, device="cuda", generator=g)
+
+    def grads(fn, dtype):
+        leaves = [x.to(dtype).detach().requires_grad_() for x in (q, k, v)]
+        y = fn(*leaves)
+        (y * w.to(dtype)).sum().backward()
+        return [y.float(), *(x.grad.float() for x in leaves)]
+
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = grads(lambda *x: F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True), torch.float32)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    got = grads(lambda *x: masked_attention(*masked_call(*x, is_causal=True, enable_gqa=True)), torch.bfloat16)
+    extra = torch.cuda.max_memory_allocated() - before
+    for a, r in zip(got, want):
+        assert rel_err(a, r) <= 2e-2, rel_err(a, r)
+    assert extra < b * h * t * t * 2, extra  # not even one bf16 copy of the scores

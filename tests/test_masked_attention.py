@@ -1,0 +1,120 @@
+"""`masked_attention` on one process: a model's `scaled_dot_product_attention` kept whole by the tracer,
+equal to SDPA (values and gradients: causal, boolean and additive masks, grouped queries), a
+well-formed custom op, the calls it must not take refused, and its sharding rule exact where the
+queries are cut (the mask's rows with them, key and value gradients partial sums)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hotswitch.kernels.attention import masked_attention, masked_call
+
+
+def _grads(fn, q, k, v, w):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = fn(*leaves)
+    (y * w).sum().backward()
+    return [y.detach(), *(t.grad for t in leaves)]
+
+
+def _inputs(b=2, heads=4, kv_heads=2, t=11, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, heads, t, d, generator=g)
+    k, v = torch.randn(b, kv_heads, t, d, generator=g), torch.randn(b, kv_heads, t, d, generator=g)
+    return q, k, v, torch.randn(b, heads, t, d, generator=g)
+
+
+def _masks(b, t):
+    g = torch.Generator().manual_seed(1)
+    keep = torch.rand(b, 1, t, t, generator=g) > 0.4
+    keep[..., 0] = True  # no query without a key (SDPA's kernels disagree on empty rows)
+    additive = torch.zeros(1, 1, t, t).masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return {"causal": None, "boolean [B,1,T,T]": keep, "additive [T,T]": additive[0, 0]}
+
+
+@pytest.mark.parametrize("mask_kind", ["causal", "boolean [B,1,T,T]", "additive [T,T]"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)])
+def test_equals_sdpa(mask_kind, heads, kv_heads):
+    q, k, v, w = _inputs(heads=heads, kv_heads=kv_heads)
+    mask = _masks(q.shape[0], q.shape[2])[mask_kind]
+    kwargs = dict(attn_mask=mask, is_causal=mask is None, enable_gqa=heads != kv_heads)
+    got = _grads(lambda *t: masked_attention(*masked_call(*t, **kwargs)), q, k, v, w)
+    want = _grads(lambda *t: F.scaled_dot_product_attention(*t, **kwargs), q, k, v, w)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_is_a_well_formed_custom_op():
+    q, k, v, _ = _inputs()
+    for t in (q, k, v):
+        t.requires_grad_()
+    result = torch.library.opcheck(masked_attention, masked_call(q, k, v, is_causal=True, enable_gqa=True))
+    assert all(v == "SUCCESS" for v in result.values()), result
+
+
+def test_calls_it_cannot_compute_exactly_stay_with_sdpa():
+    q, k, v, _ = _inputs(heads=4, kv_heads=4)
+    mask = torch.ones(11, 11, dtype=torch.bool)
+    assert masked_call(q, k, v, dropout_p=0.1) is None
+    assert masked_call(q, k, v, attn_mask=torch.zeros(11, 11, requires_grad=True)) is None  # a learned bias
+    assert masked_call(q, k, v, attn_mask=mask, is_causal=True) is None  # SDPA refuses both
+    assert masked_call(q[0], k[0], v[0]) is None  # [H, T, d]
+    assert masked_call(q, k[:, :3], v[:, :3], enable_gqa=True) is None  # 4 heads do not group over 3
+    assert masked_call(q, k[:, :2], v[:, :2]) is None  # grouped without enable_gqa: SDPA raises
+    q, k, v, mask, scale, causal = masked_call(q, k, v, attn_mask=mask, scale=0.5)
+    assert mask.shape == (1, 1, 11, 11) and scale == 0.5 and not causal  # broadcast from the right, as SDPA reads it
+
+
+def test_the_tracer_keeps_attention_whole_for_our_gpt_and_a_hugging_face_model():
+    from hotswitch.compiler.trace import trace
+    from hotswitch.models import build_hf_model, build_model
+
+    ids = torch.randint(0, 97, (2, 12))
+    for model in (build_model("gpt-tiny", vocab_size=97), build_hf_model("llama", vocab_size=97)):
+        logic = trace(model, (ids, ids.roll(-1, dims=1)))
+        targets = [str(n.target) for n in logic.joint.graph.nodes if n.op == "call_function"]
+        layers = 2
+        assert targets.count("hotswitch.masked_attention.default") == layers, type(model).__name__
+        assert targets.count("hotswitch.masked_attention_backward.default") == layers
+        assert "aten._softmax.default" not in targets  # no T x T scores (the loss's is a log_softmax)
+
+
+@pytest.mark.parametrize("cut", ["queries", "heads", "batch"])
+def test_the_sharding_rule_is_exact_shard_by_shard(cut):
+    """What DTensor does with the rule, by hand on two shards: the op on each shard, the outputs
+    concatenated (gradients of keys and values summed where the queries were cut)."""
+    q, k, v, w = _inputs(b=2, heads=4, kv_heads=2, t=12)
+    mask = _masks(2, 12)["boolean [B,1,T,T]"]
+    kwargs = dict(attn_mask=mask, enable_gqa=True)
+    want = _grads(lambda *t: F.scaled_dot_product_attention(*t, **kwargs), q, k, v, w)
+    dim = {"queries": 2, "heads": 1, "batch": 0}[cut]
+    mask_dim = {"queries": 2, "heads": None, "batch": 0}[cut]  # the mask's one head broadcasts
+    parts = []
+    for i in range(2):
+        def chunk(t, d=dim):
+            return t.chunk(2, d)[i] if d is not None else t
+        qi, wi = chunk(q), chunk(w)
+        ki, vi = (chunk(k), chunk(v)) if cut != "queries" else (k, v)
+        mi = chunk(mask, mask_dim)
+        parts.append(_grads(lambda *t: masked_attention(*t, mi, 8 ** -0.5, False), qi, ki, vi, wi))
+    out, dq = (torch.cat([p[j] for p in parts], dim) for j in (0, 1))
+    if cut == "queries":
+        dk, dv = parts[0][2] + parts[1][2], parts[0][3] + parts[1][3]
+    else:
+        dk, dv = (torch.cat([p[j] for p in parts], dim) for j in (2, 3))
+    for a, b in zip((out, dq, dk, dv), want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_causal_call_on_a_shard_of_the_queries_reads_its_mask_rows():
+    """`causal` lets a rank holding every query run torch's causal kernel without the mask; a rank
+    holding a shard of the queries (context parallelism: fewer queries than keys) must read its rows
+    of the mask, since torch's `is_causal` would align them to the first keys."""
+    q, k, v, w = _inputs(b=1, heads=4, kv_heads=2, t=12)
+    call = masked_call(q, k, v, is_causal=True, enable_gqa=True)
+    mask, scale = call[3], call[4]
+    want = _grads(lambda *t: F.scaled_dot_product_attention(*t, is_causal=True, enable_gqa=True), q, k, v, w)
+    rows = slice(6, 12)  # the second of two query shards
+    got = _grads(lambda q_, k_, v_: masked_attention(q_, k_, v_, mask[:, :, rows], scale, True),
+                 q[:, :, rows], k, v, w[:, :, rows])
+    torch.testing.assert_close(got[0], want[0][:, :, rows], atol=1e-5, rtol=1e-5)
