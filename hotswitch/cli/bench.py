@@ -51,7 +51,9 @@ def add_parser(subparsers) -> None:
     q = sub.add_parser("train", help="tokens/s of hot-switched mixed-length training vs the best static config "
                        "that fits the same memory budget", description=_docstring("hotswitch.bench.train"),
                        formatter_class=HelpFormatter)
-    add_train_arguments(q)
+    # below the longest rows (256 tokens for gpt-tiny): a long row is then a micro-batch of its own, which
+    # pure DP cannot hold within the budget (attention is fused: memory grows with tokens, not T^2)
+    add_train_arguments(q, micro_batch_tokens=128)
     q.set_defaults(steps=4)
     q.add_argument("--budget-fraction", type=float, default=0.9, help="without --memory-budget-mib: the budget is "
                    "this fraction of pure DP's estimated peak at the longest bucket, so long rows do not fit pure DP")

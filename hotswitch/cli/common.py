@@ -116,7 +116,7 @@ def progress(message: str) -> None:
     print(message, flush=True)
 
 
-def add_train_arguments(p) -> None:
+def add_train_arguments(p, micro_batch_tokens: int = 1024) -> None:
     """The options `hotswitch train` and `hotswitch bench train` share, spelled once."""
     from hotswitch.train.loop import HF_MODELS
 
@@ -133,8 +133,8 @@ def add_train_arguments(p) -> None:
     add_configs_argument(p, "dp<W>;tp<W>,sp for W processes")
     p.add_argument("--memory-budget-mib", type=float, default=None, help="per-rank memory budget in MiB "
                    "(default: none)")
-    p.add_argument("--micro-batch-tokens", type=int, default=1024, help="tokens per data-parallel replica per "
-                   "micro-batch")
+    p.add_argument("--micro-batch-tokens", type=int, default=micro_batch_tokens, help="tokens per data-parallel "
+                   f"replica per micro-batch (default: {micro_batch_tokens}); a longer row is a micro-batch of its own")
     p.add_argument("--buckets", default=None, help="comma-separated bucket bounds, e.g. 32,64,256 (default: from the "
                    "first batch's length distribution)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
