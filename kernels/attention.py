@@ -268,8 +268,8 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     LogicGraph: [B, H, Tq, d] queries, [B, Hkv, Tk, d] keys and values (H a multiple of Hkv), a 4-D
     mask broadcastable to [B, H, Tq, Tk] (bool: True attends; float: added to the scores). Traced
     whole (`hotswitch.compiler.attention.AttentionWhole`), it runs torch's fused kernel at run time
-    (memory-efficient attention on a GPU, the flash kernel on a CPU) where the math decomposition
-    materialised the [B, H, Tq, Tk] scores and their softmax several times over. `causal`: the mask is
+    (cuDNN, flash or memory-efficient attention on a GPU, the flash kernel on a CPU) where the math
+    decomposition materialised the [B, H, Tq, Tk] scores and their softmax several times over. `causal`: the mask is
     the causal one (`masked_call` wrote it), so where a rank holds every query, torch's causal kernel
     runs without reading it; a rank holding a shard of the queries reads its rows of the mask."""
     return _attend(q, k, v, mask, scale, causal).contiguous()
