@@ -224,11 +224,12 @@ def micro_batch_work(workload: Workload, config: DistConfig, length: int, rows: 
     # per layer, forward + backward (3x forward for matmuls)
     scores = rows * a * length * length  # L x L attention scores of all heads
     flash = workload.flash_attention
+    fused = flash or workload.fused_attention  # no L x L tensor written or kept
     layer_flops = 3 * (2 * n * h * 2 * h / t + 2 * n * h * 2 * kv * d / kv_div + 2 * n * h * f * mlp_mats / t
                        + 4 * scores * d / t / (2 if flash else 1))
-    layer_traffic = e * (36 * n * h / stream_div + 10 * n * h / t + 12 * n * f / t + (0 if flash else 10 * scores / t))
+    layer_traffic = e * (36 * n * h / stream_div + 10 * n * h / t + 12 * n * f / t + (0 if fused else 10 * scores / t))
     layer_act = e * (6 * n * h / stream_div + (6 * n * h + (mlp_mats + 1) * n * f) / t
-                     + (0 if flash else 2 * scores / t))
+                     + (0 if fused else 2 * scores / t))
     head_flops = 3 * 2 * n * h * v / head_div
     head_traffic = 10 * n * v * max(e, 4) / head_div  # the loss runs in fp32
     head_act = n * v * (e + 8) / head_div  # logits, their fp32 copy and log-softmax

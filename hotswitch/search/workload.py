@@ -23,11 +23,14 @@ class Workload:
     """A model as the cost model sees it. `compute_bytes`: bytes per weight and activation element
     (2 for bf16, 4 for fp32); `head_sharded`: whether tp shards the LM head (Megatron) or every tp
     rank computes it whole (hotswitch's compiler); `pipeline`: whether pp > 1 configs are candidates
-    (the Trainer runs pp = 1 configs only); `flash_attention`: a fused causal kernel (half the L x L
-    FLOPs, no L x L tensors kept; Megatron on GPUs) or the math kernel the compiler traces on CPU
-    (every score computed and kept for backward); `reduce_every_micro_batch`: whether data-parallel
-    gradients are all-reduced in every micro-batch (hotswitch's pp = 1 graphs reduce inside each
-    `forward_backward`) or once per step (Megatron, and hotswitch's pipelines)."""
+    (the Trainer runs pp = 1 configs only); `flash_attention`: a fused causal kernel that skips the
+    masked half of the L x L FLOPs (Megatron on GPUs) or one that computes every score (torch's flop
+    counter counts SDPA so; hotswitch's `masked_attention` with a mask); `fused_attention`: whether
+    no L x L tensor is written or kept for backward (a fused kernel: flash attention, and hotswitch's
+    compiler, which keeps attention one op) or the scores are materialised (the math decomposition);
+    `reduce_every_micro_batch`: whether data-parallel gradients are all-reduced in every micro-batch
+    (hotswitch's pp = 1 graphs reduce inside each `forward_backward`) or once per step (Megatron, and
+    hotswitch's pipelines)."""
 
     name: str
     model: ModelConfig
@@ -35,6 +38,7 @@ class Workload:
     head_sharded: bool = True
     pipeline: bool = True
     flash_attention: bool = True
+    fused_attention: bool = True
     reduce_every_micro_batch: bool = False
 
     def __post_init__(self) -> None:
