@@ -36,7 +36,7 @@ from ._dtensor import OpSchema
 from ._torch import FakeTensorMode, OpOverload, arg_leaves, map_args, op_schema, pytree
 from .tp_rules import SIZED_VIEW_OPS, VIEW_OPS
 
-_attention.register()  # document_attention's rule, beside DTensor's for aten ops
+_attention.register()  # the attention ops' rules (masked, document), beside DTensor's for aten ops
 
 aten = torch.ops.aten
 
