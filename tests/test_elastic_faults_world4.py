@@ -157,5 +157,7 @@ def test_weights_equal_single_device_adamw_and_each_batch_ran_once(faults):
     final = {k.removeprefix("param:model."): v for k, v in result["final"].items() if k.startswith("param:")}
     assert final.keys() == reference.keys()
     worst = max(float((final[k] - reference[k]).norm() / reference[k].norm()) for k in reference)
-    assert worst < 1e-5, worst
+    # 1e-4 as in test_elastic_world4: the state crossed three layouts (dp2tp2, dp2, dp1), each summing
+    # in its own order, and AdamW divides by sqrt(v); one 2-core Xeon gave 1.3e-5 with unchanged code (CI: < 1e-5)
+    assert worst < 1e-4, worst
     assert result["samples"] == {step: order.batch(step) for step in range(STEPS)}
