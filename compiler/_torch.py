@@ -15,7 +15,7 @@ from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, 
 __all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "arg_leaves", "codegen", "core_aten_decompositions",
            "detect_fake_mode", "half_precision_math_attention",
            "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "op_schema", "pytree",
-           "size_hint", "symbolic_fake_mode", "symbols_of"]
+           "sdpa_backend", "size_hint", "symbolic_fake_mode", "symbols_of"]
 
 OpOverload = torch._ops.OpOverload
 
@@ -32,6 +32,20 @@ def arg_leaves(args) -> list:
     leaves: list = []
     map_aggregate(args, leaves.append)
     return leaves
+
+
+def sdpa_backend(query, key, value, attn_mask, is_causal: bool, scale: float) -> str:
+    """The kernel `scaled_dot_product_attention` runs for these inputs (their device, shapes, strides,
+    dtypes, whether they take gradients) under torch's current backend flags: "flash", "efficient",
+    "cudnn" or "math"; "none" where no enabled kernel takes them, "other" for another device's."""
+    from torch.nn.attention import SDPBackend
+
+    try:
+        choice = torch._fused_sdp_choice(query, key, value, attn_mask, 0.0, is_causal, scale=scale)
+    except RuntimeError:  # on CUDA: "No available kernel" (none of the enabled ones takes these inputs)
+        return "none"
+    return {SDPBackend.FLASH_ATTENTION.value: "flash", SDPBackend.EFFICIENT_ATTENTION.value: "efficient",
+            SDPBackend.CUDNN_ATTENTION.value: "cudnn", SDPBackend.MATH.value: "math"}.get(int(choice), "other")
 
 
 @contextlib.contextmanager

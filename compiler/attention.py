@@ -7,6 +7,7 @@ shard of the heads (when the mesh dim divides both head counts); or on a shard o
 mask's rows with them, keys and values whole, their gradients partial sums): the mask says where
 each query sits, so a sequence shard needs no offset. That last one is how context parallelism runs
 a causal model's attention, as DTensor runs the math decomposition (mask rows sliced, keys gathered).
+At run time `fused_kernels` writes a lowered program's op pairs as torch's own fused kernels.
 
 `document_attention` (and its backward), per mesh dim, runs
 
@@ -21,14 +22,23 @@ a causal model's attention, as DTensor runs the math decomposition (mask rows sl
 """
 from __future__ import annotations
 
+import copy
+import operator
+
+import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from hotswitch.kernels import attention as _kernel
 
 from . import _dtensor as dt
+from . import _torch
+from ._torch import map_args
 
-__all__ = ["ATTENTION_OPS", "MASKED_OPS", "AttentionWhole", "register"]
+__all__ = ["ATTENTION_OPS", "MASKED_OPS", "AttentionWhole", "fused_kernels", "register"]
+
+aten = torch.ops.aten
 
 ATTENTION_OPS = (_kernel.document_attention._opoverload, _kernel.document_attention_backward._opoverload)
 MASKED_OPS = (_kernel.masked_attention._opoverload, _kernel.masked_attention_backward._opoverload)
@@ -121,3 +131,154 @@ def register() -> None:
         dt.register_mesh_dim_strategies(forward, _masked_forward_strategies, 1, _heads_divide)
         dt.register_mesh_dim_strategies(backward, _masked_backward_strategies, 3, _heads_divide)
         _registered = True
+
+
+# ------------------------------------------------------------------ at run time: torch's own kernels
+
+def fused_kernels(gm: fx.GraphModule, device: torch.device, for_inductor: bool = False) -> fx.GraphModule:
+    """`gm`, a lowered program about to run on `device`, with each `masked_attention` written as the
+    fused kernel `scaled_dot_product_attention` picks for its local shapes there, and the op's
+    backward, where the same graph holds it, as that kernel's own backward reading the forward's
+    output and logsumexp. The op's backward recomputes its forward under autograd (an op's
+    implementation keeps nothing but its inputs); here the forward's logsumexp is kept, as torch's own
+    SDPA autograd keeps it, and no Python runs between the kernels (Inductor sees torch's attention
+    ops, which it knows). Where SDPA would take its math path, the op stays. Done at run time, not when
+    lowering, because the kernel depends on the device and the concrete shapes, and a program cached
+    or fitted to other lengths must not carry one device's kernels. Returns `gm` when nothing changes.
+
+    `for_inductor` on CUDA: fp32 attention keeps the op. Compiled by Inductor (torch 2.11, H100), an
+    fp32 program with the memory-efficient kernel (fp32's only fused one) failed a later Triton
+    launch with "CUDA driver error: invalid argument"; eager, and bf16 under Inductor, were exact."""
+    forwards = [n for n in gm.graph.nodes if n.target is MASKED_OPS[0]]
+    if not forwards:
+        return gm
+    graph = copy.deepcopy(gm.graph)
+    forwards = [n for n in graph.nodes if n.target is MASKED_OPS[0]]
+    backwards = {tuple(n.args[1:5]): n for n in graph.nodes if n.target is MASKED_OPS[1]}
+    changed = 0
+    for forward in forwards:
+        backward = backwards.get(tuple(forward.args[:4]))
+        if backward is not None and any(u.target is not operator.getitem for u in backward.users):
+            backward = None
+        if for_inductor and device.type == "cuda" and forward.args[0].meta["val"].dtype == torch.float32:
+            continue
+        changed += _write_fused(graph, forward, backward, device)
+    if not changed:
+        return gm
+    out = fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    return out
+
+
+# (forward, backward) aten ops per SDPA backend, and where the forward's outputs sit
+_KERNELS = {
+    ("cpu", "flash"): (aten._scaled_dot_product_flash_attention_for_cpu.default,
+                       aten._scaled_dot_product_flash_attention_for_cpu_backward.default),
+    ("cuda", "flash"): (aten._scaled_dot_product_flash_attention.default,
+                        aten._scaled_dot_product_flash_attention_backward.default),
+    ("cuda", "efficient"): (aten._scaled_dot_product_efficient_attention.default,
+                            aten._scaled_dot_product_efficient_attention_backward.default),
+    ("cuda", "cudnn"): (aten._scaled_dot_product_cudnn_attention.default,
+                        aten._scaled_dot_product_cudnn_attention_backward.default),
+}
+
+
+def _write_fused(graph: fx.Graph, forward: fx.Node, backward: fx.Node | None, device: torch.device) -> bool:
+    q, k, v, mask, scale, causal = forward.args
+    qv, kv, mv = q.meta["val"], k.meta["val"], mask.meta["val"]
+    batch, heads, queries, dim = qv.shape
+    kv_heads, keys = kv.shape[1], kv.shape[2]
+    whole = causal and queries == keys  # every query here: the causal kernel, the mask unread
+
+    def example(shape, stride, dtype):
+        t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+        return t.requires_grad_(backward is not None)
+
+    rep = heads // kv_heads
+    k_example = example((batch, heads, keys, dim), (heads * keys * dim, keys * dim, dim, 1), kv.dtype)
+    mask_example = None if whole else torch.zeros(
+        [s if st else 1 for s, st in zip(mv.shape, mv.stride())], dtype=qv.dtype, device=device).expand(mv.shape)
+    backend = _torch.sdpa_backend(example(qv.shape, qv.stride(), qv.dtype), k_example, k_example, mask_example,
+                                  whole, scale)
+    kernels = _KERNELS.get((device.type, backend))
+    if kernels is None or (backend == "flash" and device.type == "cuda" and (not whole or dim % 8)):
+        return False  # SDPA's math path (or a kernel without a mask where one is needed): the op stays
+
+    def call(target, *args, **kwargs) -> fx.Node:
+        node = graph.call_function(target, args, kwargs)
+        node.meta["val"] = target(*map_args(_on_meta, args), **map_args(_on_meta, kwargs))  # meta kernels
+        return node
+
+    def item(node, i) -> fx.Node:
+        out = graph.call_function(operator.getitem, (node, i))
+        out.meta["val"] = node.meta["val"][i]
+        return out
+
+    def repeated(t):
+        return call(aten.repeat_interleave.self_int, t, rep, 1) if rep > 1 else t
+
+    def bias():  # SDPA's own preparation of the mask for this kernel, written per call (it is transient)
+        if whole:
+            return None
+        b = mask
+        if mv.dtype == torch.bool:
+            b = call(aten.where.Scalar, mask, 0.0, -65504.0 if backend == "cudnn" else float("-inf"))
+            if qv.dtype != b.meta["val"].dtype:
+                b = call(aten._to_copy.default, b, dtype=qv.dtype)
+        if backend == "efficient":  # rows 8-aligned, broadcast dims expanded
+            if keys % 8:
+                b = call(aten.slice.Tensor, call(aten.constant_pad_nd.default, b, [0, 8 - keys % 8]), -1, 0, keys)
+            b = call(aten.expand.default, b, [batch, heads, queries, keys])
+        return b
+
+    forward_op, backward_op = kernels
+    with graph.inserting_before(forward):
+        kr, vr = repeated(k), repeated(v)
+        if backend == "flash" and device.type == "cpu":
+            fused = call(forward_op, q, kr, vr, 0.0, whole, attn_mask=bias(), scale=scale)
+        elif backend == "flash":
+            fused = call(forward_op, q, kr, vr, 0.0, True, False, scale=scale)
+        elif backend == "efficient":
+            fused = call(forward_op, q, kr, vr, bias(), True, 0.0, whole, scale=scale)
+        else:
+            fused = call(forward_op, q, kr, vr, bias(), True, 0.0, whole, False, scale=scale)
+        out = item(fused, 0)
+        forward.replace_all_uses_with(call(aten.contiguous.default, out))
+    graph.erase_node(forward)
+    if backward is None:
+        return True
+    grad = backward.args[0]
+    with graph.inserting_before(backward):
+        kr, vr = repeated(k), repeated(v)  # again: the forward's copies are not kept alive until here
+        saved = [item(fused, i) for i in range(1, len(fused.meta["val"]))]
+        if backend == "flash" and device.type == "cpu":
+            grads = call(backward_op, grad, q, kr, vr, out, saved[0], 0.0, whole, attn_mask=bias(), scale=scale)
+        elif backend == "flash":  # lse, cum_seq_q, cum_seq_k, max_q, max_k, rng_state, unused
+            grads = call(backward_op, grad, q, kr, vr, out, *saved[:5], 0.0, True, *saved[5:7], scale=scale)
+        elif backend == "efficient":  # lse, philox seed and offset
+            grads = call(backward_op, grad, q, kr, vr, bias(), out, *saved[:3], 0.0, [True, True, True, False], whole,
+                         scale=scale)
+        else:  # lse, cum_seq_q, cum_seq_k, max_q, max_k, philox seed and offset
+            grads = call(backward_op, grad, q, kr, vr, out, saved[0], *saved[5:7], bias(), *saved[1:5], 0.0, whole,
+                         scale=scale)
+        for node in saved:  # the outputs this kernel's backward does not read
+            if not node.users:
+                graph.erase_node(node)
+        results = [call(aten.contiguous.default, item(grads, 0))]
+        for i in (1, 2):  # grouped queries: each key head's gradient is the sum over its query heads
+            g = item(grads, i)
+            results.append(call(aten.sum.dim_IntList, call(aten.view.default, g, [batch, kv_heads, rep, keys, dim]),
+                                [2]) if rep > 1 else call(aten.contiguous.default, g))
+    for user in list(backward.users):
+        user.replace_all_uses_with(results[user.args[1]])
+        graph.erase_node(user)
+    graph.erase_node(backward)
+    return True
+
+
+def _on_meta(a):
+    """A node's value as a meta tensor (shape, strides, dtype), other arguments as they are."""
+    value = a.meta["val"] if isinstance(a, fx.Node) else a
+    if isinstance(value, torch.Tensor):
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    return value

@@ -296,7 +296,9 @@ def masked_attention_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tens
                               mask: torch.Tensor, scale: float, causal: bool
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k and v by torch's backward of the fused kernel, its forward recomputed: only q,
-    k, v and the mask are kept between forward and backward. Plain autograd inside the op (its
+    k, v and the mask are kept between forward and backward. A program's runtime replaces the pair
+    by torch's kernels and their own backward where it can (`hotswitch.compiler.attention.fused_kernels`);
+    this runs where it cannot (a pipeline stage's backward program). Plain autograd inside the op (its
     implementation runs below the autograd of the graph that calls it; functorch's vjp, tried first,
     broke under Inductor)."""
     with _autograd_below_op(), torch.enable_grad():

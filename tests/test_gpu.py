@@ -100,3 +100,53 @@ def test_masked_attention_runs_a_fused_kernel_in_bf16():
     for a, r in zip(got, want):
         assert rel_err(a, r) <= 2e-2, rel_err(a, r)
     assert extra < b * h * t * t * 2, extra  # not even one bf16 copy of the scores
+
+
+@pytest.mark.parametrize("kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION"])
+@pytest.mark.parametrize("case", ["causal", "causal, a shard of the queries", "boolean, keys not 8-aligned"])
+def test_fused_kernels_on_cuda_equal_the_op(kernel, case):
+    """Each of torch's CUDA kernels that `fused_kernels` writes (SDPA restricted to it), forward and
+    its own backward in bf16, equal to the op's program (the op's forward recomputed under autograd)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hotswitch.compiler.attention import fused_kernels
+    from hotswitch.kernels.attention import masked_attention, masked_attention_backward, masked_call
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, kv, d = 2, 8, 2, 64
+    keys = 100 if case.startswith("boolean") else 128
+    queries = keys // 2 if "shard" in case else keys
+    q = torch.randn(b, h, queries, d, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(b, kv, keys, d, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    grad = torch.randn_like(q)
+    causal = case.startswith("causal")
+    if causal:
+        mask = masked_call(q.new_empty(b, h, keys, d), k, v, is_causal=True, enable_gqa=True)[3][:, :, keys - queries:]
+    else:
+        mask = torch.rand(b, 1, queries, keys, device="cuda", generator=g) > 0.3
+        mask[..., 0] = True
+
+    def joint(q, k, v, mask, grad):
+        out = masked_attention(q, k, v, mask, d ** -0.5, causal)
+        return (out, *masked_attention_backward(grad, q, k, v, mask, d ** -0.5, causal))
+
+    program = make_fx(joint)(q, k, v, mask, grad)
+    want = program(q, k, v, mask, grad)
+    whole = causal and queries == keys  # the causal kernel, no mask read
+    with sdpa_kernel(getattr(SDPBackend, kernel)):
+        fused = fused_kernels(program, torch.device("cuda"))
+    if kernel == "FLASH_ATTENTION" and not whole:
+        assert fused is program  # flash reads no mask: the op stays (unrestricted, SDPA picks another kernel)
+        return
+    if fused is program:  # kept only where torch has no such kernel (cuDNN attention is off in some builds)
+        kr, vr = (x.repeat_interleave(h // kv, 1) for x in (k, v))
+        with sdpa_kernel(getattr(SDPBackend, kernel)), pytest.raises(RuntimeError):
+            F.scaled_dot_product_attention(q, kr, vr, attn_mask=None if whole else mask, is_causal=whole)
+        return
+    targets = [str(n.target) for n in fused.graph.nodes if n.op == "call_function"]
+    assert not any(t.startswith("hotswitch.") for t in targets), targets
+    got = fused(q, k, v, mask, grad)
+    for a, r in zip(got, want):
+        assert a.shape == r.shape and a.is_contiguous()
+        assert rel_err(a.float(), r.float()) <= 2e-2, (kernel, case, rel_err(a.float(), r.float()))

@@ -1,13 +1,15 @@
 """`masked_attention` on one process: a model's `scaled_dot_product_attention` kept whole by the tracer,
 equal to SDPA (values and gradients: causal, boolean and additive masks, grouped queries), a
 well-formed custom op, the calls it must not take refused, and its sharding rule exact where the
-queries are cut (the mask's rows with them, key and value gradients partial sums)."""
+queries are cut (the mask's rows with them, key and value gradients partial sums). At run time a
+program's op pairs become torch's fused kernel and that kernel's backward (`fused_kernels`), with the
+op's numbers."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from hotswitch.kernels.attention import masked_attention, masked_call
+from hotswitch.kernels.attention import masked_attention, masked_attention_backward, masked_call
 
 
 def _grads(fn, q, k, v, w):
@@ -118,3 +120,84 @@ def test_a_causal_call_on_a_shard_of_the_queries_reads_its_mask_rows():
     got = _grads(lambda q_, k_, v_: masked_attention(q_, k_, v_, mask[:, :, rows], scale, True),
                  q[:, :, rows], k, v, w[:, :, rows])
     torch.testing.assert_close(got[0], want[0][:, :, rows], atol=1e-5, rtol=1e-5)
+
+
+def _joint_program(q, k, v, mask, scale, causal):
+    """A program as lowering leaves one: the op's forward and, further on, its backward."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def joint(q, k, v, mask, grad):
+        out = masked_attention(q, k, v, mask, scale, causal)
+        dq, dk, dv = masked_attention_backward(grad * 2, q, k, v, mask, scale, causal)
+        return out.sin(), dq, dk, dv
+
+    return make_fx(joint)(q, k, v, mask, torch.randn_like(q))
+
+
+_CASES = {  # heads, kv heads, keys, queries (fewer: a context-parallel rank's shard), mask, dtype
+    "causal": (4, 4, 12, 12, "causal", torch.float32),
+    "causal, grouped": (4, 2, 12, 12, "causal", torch.float32),
+    "causal, a shard of the queries": (4, 2, 12, 6, "causal", torch.float32),
+    "boolean [B,1,T,T], grouped": (4, 2, 13, 13, "boolean", torch.float32),
+    "additive [1,1,T,T]": (4, 4, 13, 13, "additive", torch.float32),
+    "boolean, bf16": (4, 2, 16, 16, "boolean", torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", list(_CASES))
+def test_fused_kernels_replace_the_op_with_torchs_kernel_and_its_backward(case):
+    from hotswitch.compiler.attention import fused_kernels
+    from hotswitch.runtime.backend import GraphRunner
+
+    heads, kv_heads, keys, queries, kind, dtype = _CASES[case]
+    q, k, v, _ = _inputs(b=2, heads=heads, kv_heads=kv_heads, t=keys)
+    q, k, v = q[:, :, keys - queries:].to(dtype), k.to(dtype), v.to(dtype)
+    if kind == "causal":
+        causal_mask = masked_call(torch.empty(2, heads, keys, 8), k, v, is_causal=True, enable_gqa=True)[3]
+        mask = causal_mask[:, :, keys - queries:]
+    elif kind == "boolean":
+        mask = _masks(2, keys)["boolean [B,1,T,T]"]
+    else:
+        mask = _masks(2, keys)["additive [T,T]"][None, None].to(dtype)
+    program = _joint_program(q, k, v, mask, 8 ** -0.5, kind == "causal")
+    fused = fused_kernels(program, torch.device("cpu"))
+    targets = [str(n.target) for n in fused.graph.nodes if n.op == "call_function"]
+    assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in targets
+    assert "aten._scaled_dot_product_flash_attention_for_cpu_backward.default" in targets
+    assert not any(t.startswith("hotswitch.") for t in targets), targets  # no forward recomputed
+    grad = torch.randn_like(q)
+    want, got = program(q, k, v, mask, grad), fused(q, k, v, mask, grad)
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-6, rtol=1e-6)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.is_contiguous()
+        torch.testing.assert_close(a, b, **tol)
+    runner = GraphRunner("eager", device="cpu")  # what the runtime runs: the fused program, made once
+    run = runner(program)
+    assert runner(program) is run and [n.target for n in run.graph.nodes] == [n.target for n in fused.graph.nodes]
+
+
+def test_fused_kernels_leave_the_op_where_sdpa_takes_its_math_path_and_pair_only_what_they_see():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hotswitch.compiler.attention import fused_kernels
+
+    q, k, v, _ = _inputs(b=2, heads=4, kv_heads=2, t=12)
+    mask = _masks(2, 12)["boolean [B,1,T,T]"]
+    program = _joint_program(q, k, v, mask, 0.3, False)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert fused_kernels(program, torch.device("cpu")) is program
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def forward_only(q, k, v, mask):  # a pipeline stage's forward program: its backward runs elsewhere
+        return masked_attention(q, k, v, mask, 0.3, False)
+
+    def backward_only(grad, q, k, v, mask):  # ... and that backward program: no logsumexp to read, the op stays
+        return masked_attention_backward(grad, q, k, v, mask, 0.3, False)
+
+    forward = fused_kernels(make_fx(forward_only)(q, k, v, mask), torch.device("cpu"))
+    assert [str(n.target) for n in forward.graph.nodes if "attention" in str(n.target)] == \
+        ["aten._scaled_dot_product_flash_attention_for_cpu.default"]
+    torch.testing.assert_close(forward(q, k, v, mask), masked_attention(q, k, v, mask, 0.3, False))
+    backward = make_fx(backward_only)(torch.randn_like(q), q, k, v, mask)
+    assert fused_kernels(backward, torch.device("cpu")) is backward

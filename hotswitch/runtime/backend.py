@@ -31,6 +31,7 @@ import torch
 import torch.fx as fx
 
 from hotswitch.compiler._torch import inductor_compile, inductor_default_cache_dir
+from hotswitch.compiler.attention import fused_kernels
 from hotswitch.compiler.handoff import strip_hand_offs
 from hotswitch.compiler.program import constants_digest
 
@@ -78,13 +79,18 @@ class _Compiled:
 
 
 class GraphRunner:
-    """`runner(gm, what)` -> what to call for ExecGraph `gm` under `backend` (the GraphModule itself
-    for "eager"), made once per graph. `seconds` sums the time spent compiling; `fallbacks` names the
-    graphs Inductor refused."""
+    """`runner(gm, what)` -> what to call for ExecGraph `gm` under `backend`, made once per graph: for
+    "eager" the GraphModule itself, its attention written as `device`'s fused kernels
+    (`compiler.attention.fused_kernels`; Inductor gets the same graph). `seconds` sums the time spent
+    compiling; `fallbacks` names the graphs Inductor refused."""
 
     def __init__(self, backend: str = "eager", cache_directory=None, progress: Callable[[str], None] | None = None,
-                 once=None):
+                 once=None, device: torch.device | str = "cpu"):
         self.backend = check_backend(backend)
+        self.device = torch.device(device)
+        # HOTSWITCH_FUSED_ATTENTION=0: attention runs as hotswitch's op (its backward recomputes the
+        # forward), for comparing with the fused kernels or ruling them out
+        self.fused_attention = os.environ.get("HOTSWITCH_FUSED_ATTENTION", "1") != "0"
         self.once = once  # a runtime.shared.JobOnce: one compile per alike graph on this host
         # Inductor's caches beside hotswitch's, unless the user named another place for them
         # (Inductor writes its default into the variable itself: that is no user's choice)
@@ -100,11 +106,10 @@ class GraphRunner:
         self._made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __call__(self, gm: fx.GraphModule, what: str = "an ExecGraph") -> Callable[..., Any]:
-        if self.backend == "eager":
-            return gm
         run = self._made.get(gm)
         if run is None:
-            run = self._made[gm] = _Compiled(gm, self, what)
+            native = fused_kernels(gm, self.device, self.backend == "inductor") if self.fused_attention else gm
+            run = self._made[gm] = native if self.backend == "eager" else _Compiled(native, self, what)
         return run
 
     def _compile(self, gm: fx.GraphModule, args: tuple, what: str) -> Callable[..., Any]:

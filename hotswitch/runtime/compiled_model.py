@@ -112,7 +112,8 @@ class CompiledModel:
         disk = default_cache()
         self._cache = SharedCache(disk, JobOnce())
         # how ExecGraphs run: op by op, or compiled by Inductor on first use (its caches beside ours)
-        self._runner = GraphRunner(backend, disk.directory if disk is not None else None, report, once=JobOnce())
+        self._runner = GraphRunner(backend, disk.directory if disk is not None else None, report, once=JobOnce(),
+                                   device=self.device)
         # `logic`: this model's LogicGraph from an earlier compile (elastic changes re-compile, not re-trace)
         self.logic_source = "given"  # or "traced" (by this rank), "loaded" (this process, the cache or a rank had it)
         if logic is None:

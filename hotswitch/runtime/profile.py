@@ -64,8 +64,8 @@ def profile_rank(build_model: Callable[[], torch.nn.Module], example_inputs, con
     `build_model()` (picklable: a module-level function or a functools.partial) returns the model
     (forward -> scalar loss) with its weights; `example_inputs` is the *global* batch. `device`:
     where the rank computes (default: cuda when available, else cpu); `dtype`: the compute dtype of
-    the weights; `backend`: "eager" runs the ExecGraph as is, "inductor" compiles it with
-    torch.compile first.
+    the weights; `backend`: how the runtime would run the ExecGraph (`runtime.backend.GraphRunner`:
+    op by op with torch's fused attention kernels, or compiled by Inductor first).
     """
     from hotswitch.distconfig import DistConfig
 
@@ -126,13 +126,13 @@ def _measure(build_model, example_inputs, config, rank, repeats, device, dtype, 
     model = build_model().to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
     t = time.perf_counter()
-    cm = hs.compile(model, example_inputs, [config])
+    cm = hs.compile(model, example_inputs, [config], backend=backend)
     compile_seconds = time.perf_counter() - t
     gm = cm.exec_graph(config.name)
     local = tuple(x.to(cm.device) for x in cm.shard_inputs(*example_inputs))
     args = cm.graph_inputs(*local)
     resident = sum(t.numel() * t.element_size() for t in args)  # weights, buffers and the micro-batch
-    step = gm if backend == "eager" else torch.compile(gm, backend="inductor")
+    step = cm.graph_runner(gm, f"{config.name}'s training step")  # as the runtime runs it (fused attention)
     synchronize = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     step(*args)  # warm-up (and Inductor's compilation)
     synchronize()
