@@ -155,14 +155,14 @@ def fused_kernels(gm: fx.GraphModule, device: torch.device, for_inductor: bool =
     graph = copy.deepcopy(gm.graph)
     forwards = [n for n in graph.nodes if n.target is MASKED_OPS[0]]
     backwards = {tuple(n.args[1:5]): n for n in graph.nodes if n.target is MASKED_OPS[1]}
-    changed = 0
+    changed, choices = 0, {}
     for forward in forwards:
         backward = backwards.get(tuple(forward.args[:4]))
         if backward is not None and any(u.target is not operator.getitem for u in backward.users):
             backward = None
         if for_inductor and device.type == "cuda" and forward.args[0].meta["val"].dtype == torch.float32:
             continue
-        changed += _write_fused(graph, forward, backward, device)
+        changed += _write_fused(graph, forward, backward, device, choices)
     if not changed:
         return gm
     out = fx.GraphModule(gm, graph)
@@ -183,23 +183,34 @@ _KERNELS = {
 }
 
 
-def _write_fused(graph: fx.Graph, forward: fx.Node, backward: fx.Node | None, device: torch.device) -> bool:
+def _sdpa_backend(q, k, mask, whole: bool, scale: float, train: bool, device: torch.device, choices: dict) -> str:
+    """SDPA's kernel for example inputs like the meta values q, k (keys repeated to q's heads) and
+    the mask, on `device`; asked once per distinct layout (the layers of a model share one)."""
+    key = tuple((tuple(t.shape), t.stride(), t.dtype) for t in (q, k, mask)) + (whole, scale, train)
+    if key not in choices:
+        batch, heads, _, dim = q.shape
+        keys = k.shape[2]
+
+        def example(shape, stride, dtype):
+            return torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(train)
+
+        k_example = example((batch, heads, keys, dim), (heads * keys * dim, keys * dim, dim, 1), k.dtype)
+        stored = [size if stride else 1 for size, stride in zip(mask.shape, mask.stride())]  # broadcast dims: 1
+        mask_example = None if whole else torch.zeros(stored, dtype=q.dtype, device=device).expand(mask.shape)
+        choices[key] = _torch.sdpa_backend(example(q.shape, q.stride(), q.dtype), k_example, k_example, mask_example,
+                                           whole, scale)
+    return choices[key]
+
+
+def _write_fused(graph: fx.Graph, forward: fx.Node, backward: fx.Node | None, device: torch.device,
+                 choices: dict) -> bool:
     q, k, v, mask, scale, causal = forward.args
     qv, kv, mv = q.meta["val"], k.meta["val"], mask.meta["val"]
     batch, heads, queries, dim = qv.shape
     kv_heads, keys = kv.shape[1], kv.shape[2]
     whole = causal and queries == keys  # every query here: the causal kernel, the mask unread
-
-    def example(shape, stride, dtype):
-        t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
-        return t.requires_grad_(backward is not None)
-
     rep = heads // kv_heads
-    k_example = example((batch, heads, keys, dim), (heads * keys * dim, keys * dim, dim, 1), kv.dtype)
-    mask_example = None if whole else torch.zeros(
-        [s if st else 1 for s, st in zip(mv.shape, mv.stride())], dtype=qv.dtype, device=device).expand(mv.shape)
-    backend = _torch.sdpa_backend(example(qv.shape, qv.stride(), qv.dtype), k_example, k_example, mask_example,
-                                  whole, scale)
+    backend = _sdpa_backend(qv, kv, mv, whole, scale, backward is not None, device, choices)
     kernels = _KERNELS.get((device.type, backend))
     if kernels is None or (backend == "flash" and device.type == "cuda" and (not whole or dim % 8)):
         return False  # SDPA's math path (or a kernel without a mask where one is needed): the op stays
