@@ -170,7 +170,7 @@ def fused_kernels(gm: fx.GraphModule, device: torch.device, for_inductor: bool =
     return out
 
 
-# (forward, backward) aten ops per SDPA backend, and where the forward's outputs sit
+# (forward, backward) aten ops per (device type, SDPA backend); `_write_fused` says what each takes
 _KERNELS = {
     ("cpu", "flash"): (aten._scaled_dot_product_flash_attention_for_cpu.default,
                        aten._scaled_dot_product_flash_attention_for_cpu_backward.default),
