@@ -3,6 +3,7 @@ behind names of ours, so that an upstream change breaks this file and no other. 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 from torch._decomp import core_aten_decompositions
@@ -12,10 +13,10 @@ from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, in sympy
 
-__all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "arg_leaves", "codegen", "core_aten_decompositions",
-           "detect_fake_mode", "half_precision_math_attention",
-           "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "op_schema", "pytree",
-           "sdpa_backend", "size_hint", "symbolic_fake_mode", "symbols_of"]
+__all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen", "copy_node",
+           "core_aten_decompositions", "detect_fake_mode", "half_precision_math_attention",
+           "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "module_with_code",
+           "op_schema", "pytree", "sdpa_backend", "size_hint", "symbolic_fake_mode", "symbols_of", "written_code"]
 
 OpOverload = torch._ops.OpOverload
 
@@ -32,6 +33,29 @@ def arg_leaves(args) -> list:
     leaves: list = []
     map_aggregate(args, leaves.append)
     return leaves
+
+
+def add_node(graph, op: str, target, args: tuple = (), kwargs: dict | None = None, name: str | None = None):
+    """`graph.create_node(op, target, args, kwargs, name=name)` without torch 2.13's walk of every
+    argument in search of a raw SymInt, which it would warn about (a pytree walk per node: a fifth of
+    loading an ExecGraph from the compile cache). The compiler's graphs hold a size as an int or as a
+    node, never as a raw SymInt; the arguments are set afterwards by fx's own walk."""
+    node = graph.create_node(op, target, name=name)
+    if args:
+        node.args = args
+    if kwargs:
+        node.kwargs = kwargs
+    return node
+
+
+def copy_node(graph, node, arg_transform):
+    """`graph.node_copy(node, arg_transform)` through `add_node`: its meta copied."""
+    args, kwargs = map_aggregate((node.args, node.kwargs),
+                                 lambda a: arg_transform(a) if isinstance(a, torch.fx.Node) else a)
+    new = add_node(graph, node.op, node.target, args, kwargs, name=node.name)
+    new.type = node.type
+    new.meta = dict(node.meta)
+    return new
 
 
 def sdpa_backend(query, key, value, attn_mask, is_causal: bool, scale: float) -> str:
@@ -108,6 +132,44 @@ def codegen(graph, value=None):
     if value is not None:
         graph._codegen = value
     return graph._codegen
+
+
+@dataclass(frozen=True)
+class WrittenCode:
+    """The Python code fx wrote for a GraphModule's forward: its source, the globals it runs with
+    (name -> value), fx's map from its lines to nodes and the line its body starts on."""
+
+    src: str
+    globals: dict
+    lineno_map: dict | None
+    prologue_start: int
+
+
+def written_code(gm) -> WrittenCode | None:
+    """The code fx wrote for `gm` when it last generated it (None where fx annotates it for the
+    profiler: that code names a file registered in this process only)."""
+    from torch.fx.experimental import _config
+
+    if getattr(_config, "enrich_profiler_metadata", False):
+        return None
+    scope = {k: v for k, v in gm.forward.__globals__.items() if k != "__builtins__"}
+    return WrittenCode(gm.code, scope, gm._lineno_map, getattr(gm, "_prologue_start", 0))
+
+
+def module_with_code(root, graph, code: WrittenCode):
+    """`fx.GraphModule(root, graph)` running `code`, which fx wrote for this same graph (same nodes,
+    same names, same order) in another process, instead of writing it again: for an 8-layer
+    ExecGraph that was half of loading it from the compile cache."""
+    from torch.fx.graph import PythonCode
+
+    def python_code(root_module, **_options):
+        return PythonCode(code.src, dict(code.globals), code.lineno_map, code.prologue_start)
+
+    graph.python_code = python_code  # GraphModule's constructor asks the graph for its code once
+    try:
+        return torch.fx.GraphModule(root, graph)
+    finally:
+        del graph.python_code  # later edits write their code as usual
 
 
 def is_mutable(target) -> bool:

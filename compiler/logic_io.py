@@ -9,24 +9,37 @@ ShapeEnv that knows the same size symbols (example values and ranges), so a load
 the very ExecGraphs the traced one does, and its code (the decision cache's key) is the same. Sizes
 that were one SymInt object stay one object: make_fx binds a size to the first tensor it saw it on,
 so a pipeline stage's joint graph (traced again from these values) reads its sizes where the traced
-one does.
+one does. The Python code fx wrote for each graph is written too, and a loaded GraphModule runs it
+instead of writing it again (for an 8-layer ExecGraph, half of loading it).
 """
 from __future__ import annotations
 
+import importlib
 import pickle
+import types
 import warnings
 import weakref
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.fx as fx
 
-from ._torch import OpOverload, codegen, map_args, symbolic_fake_mode, symbols_of
+from ._torch import (
+    OpOverload,
+    WrittenCode,
+    add_node,
+    codegen,
+    map_args,
+    module_with_code,
+    symbolic_fake_mode,
+    symbols_of,
+    written_code,
+)
 from .trace import LogicGraph
 
 __all__ = ["dumps_logic", "dumps_program", "graph_text", "loads_logic", "loads_program"]
 
-_VERSION = 2
+_VERSION = 3
 
 _GRAPH_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -58,6 +71,11 @@ class _Op:
 class _MemoryFormat:
     name: str  # "contiguous_format": pickle finds torch.memory_format values by scanning sys.modules
     # for one that reaches them, and may write a script's __mp_main__, which no other process has
+
+
+@dataclass(frozen=True)
+class _Module:
+    name: str  # a module among the globals of a graph's code: imported again by name
 
 
 @dataclass(frozen=True)
@@ -114,7 +132,42 @@ class _Encoder:
         raise TypeError(f"cannot write a node value of type {type(v).__name__}")
 
 
-def _encode_graph(gm: fx.GraphModule, encoder: _Encoder) -> tuple[list, dict, object]:
+def _encode_code(gm: fx.GraphModule) -> WrittenCode | None:
+    """The code fx wrote for `gm`, its globals made picklable (modules by name, the rest by pickle's
+    reference to them); None where one is not, or where the code is not this graph's (edited since)."""
+    code = written_code(gm)
+    if code is None or not _writes_each_node(gm.graph, code.src):
+        return None
+    scope = {}
+    for name, value in code.globals.items():
+        if isinstance(value, types.ModuleType):
+            scope[name] = _Module(value.__name__)
+            continue
+        try:
+            pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - a closure, say: the loading process writes the code itself
+            return None
+        scope[name] = value
+    return replace(code, globals=scope)
+
+
+def _writes_each_node(graph: fx.Graph, src: str) -> bool:
+    """Does `src` assign each of `graph`'s computed values once, and nothing else? (A graph edited
+    after its code was written has added, dropped or renamed nodes: then no.)"""
+    assigned = [lhs for lhs in (line.split(" = ", 1)[0].strip() for line in src.splitlines() if " = " in line)
+                if lhs.isidentifier()]  # a line per node; the inputs' unflattening assigns a tuple
+    computed = {n.name for n in graph.nodes if n.op not in ("placeholder", "output")}
+    return len(assigned) == len(computed) and set(assigned) == computed
+
+
+def _decode_code(code: WrittenCode | None) -> WrittenCode | None:
+    if code is None:
+        return None
+    return replace(code, globals={k: importlib.import_module(v.name) if isinstance(v, _Module) else v
+                                  for k, v in code.globals.items()})
+
+
+def _encode_graph(gm: fx.GraphModule, encoder: _Encoder) -> tuple[list, dict, object, WrittenCode | None]:
     nodes, attrs = [], {}
     for n in gm.graph.nodes:
         args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
@@ -126,7 +179,7 @@ def _encode_graph(gm: fx.GraphModule, encoder: _Encoder) -> tuple[list, dict, ob
             attrs[n.target] = getattr(gm, n.target)
         meta = {k: v for k, v in n.meta.items() if k not in _SKIPPED_META}
         nodes.append((n.name, n.op, target, args, kwargs, meta, encoder.val(n.meta.get("val"))))
-    return nodes, attrs, codegen(gm.graph)
+    return nodes, attrs, codegen(gm.graph), _encode_code(gm)
 
 
 def _decode_arg(by_name: dict):
@@ -137,7 +190,7 @@ def _decode_arg(by_name: dict):
     return decode
 
 
-def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: dict,
+def _decode_graph(nodes: list, attrs: dict, code, written: WrittenCode | None, fake_mode, symint, symints: dict,
                   made: dict | None = None) -> fx.GraphModule:
     graph, by_name = fx.Graph(), {}
     codegen(graph, code)
@@ -181,14 +234,15 @@ def _decode_graph(nodes: list, attrs: dict, code, fake_mode, symint, symints: di
 
     for name, op, target, args, kwargs, meta, val in nodes:
         args, kwargs = map_args(_decode_arg(by_name), (args, kwargs))
-        node = graph.create_node(op, _op(target) if isinstance(target, _Op) else target, args, kwargs, name=name)
+        node = add_node(graph, op, _op(target) if isinstance(target, _Op) else target, args, kwargs, name=name)
         node.meta.update(meta)
         if val is not None:
             # nodes alike in shape share one value (a description, never written to); inputs do not:
             # a trace of the graph would take two placeholders with one value for aliases
             node.meta["val"] = value(val, shared=op != "placeholder")
         by_name[name] = node
-    return fx.GraphModule(root, graph)
+    written = _decode_code(written)
+    return module_with_code(root, graph, written) if written is not None else fx.GraphModule(root, graph)
 
 
 def dumps_logic(logic: LogicGraph) -> bytes:
@@ -220,25 +274,47 @@ def loads_logic(data: bytes) -> LogicGraph:
 def dumps_program(gm: fx.GraphModule, groups: dict[str, int]) -> bytes | None:
     """A lowered ExecGraph as bytes for `loads_program`. Its collectives name process groups, whose
     names depend on how many groups the process made before: `groups` (group name -> mesh axis) turns
-    each into its axis. None when a collective names a group that is not one of the mesh's."""
-    nodes = []
-    for name, op, target, args, kwargs, meta, val in _encode_graph(gm, _Encoder())[0]:
+    each into its axis, in the nodes and in the code. None when a collective names a group that is not
+    one of the mesh's."""
+    nodes, named = [], dict.fromkeys(groups, 0)  # group name -> collectives naming it
+    encoded, attrs, graph_code, written = _encode_graph(gm, _Encoder())
+    for name, op, target, args, kwargs, meta, val in encoded:
         if isinstance(target, _Op) and target.qualified.startswith("_c10d_functional::") and args \
                 and isinstance(args[-1], str):
             if args[-1] not in groups:
                 return None
+            named[args[-1]] += 1
             args = (*args[:-1], _Group(groups[args[-1]]))
         nodes.append((name, op, target, args, kwargs, meta, val))
-    attrs = {n.target: getattr(gm, n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    return pickle.dumps((_VERSION, nodes, attrs, codegen(gm.graph)), protocol=pickle.HIGHEST_PROTOCOL)
+    if written is not None:
+        src = written.src
+        for name, count in named.items():
+            # the code names each group once per collective, as a string literal; a literal equal to a
+            # group's name anywhere else leaves the code out (the loading process writes it)
+            if src.count(repr(name)) != count:
+                written = None
+                break
+            src = src.replace(repr(name), _group_token(groups[name]))
+        else:
+            written = replace(written, src=src)
+    return pickle.dumps((_VERSION, nodes, attrs, graph_code, written), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _group_token(axis: int) -> str:
+    return f"<hotswitch group of mesh axis {axis}>"
 
 
 def loads_program(data: bytes, group_names: list[str]) -> fx.GraphModule:
     """`dumps_program` inverted in this process: axis i's collectives run on `group_names[i]`."""
-    version, nodes, attrs, code = pickle.loads(data)
+    version, nodes, attrs, graph_code, written = pickle.loads(data)
     if version != _VERSION:
         raise ValueError(f"an ExecGraph written by another version of hotswitch ({version}, not {_VERSION})")
     nodes = [(name, op, target, tuple(group_names[a.axis] if isinstance(a, _Group) else a for a in args), kwargs,
               meta, val) for name, op, target, args, kwargs, meta, val in nodes]
+    if written is not None:
+        src = written.src
+        for axis, name in enumerate(group_names):
+            src = src.replace(_group_token(axis), repr(name))
+        written = replace(written, src=src)
     fake_mode, symint = symbolic_fake_mode({})
-    return _decode_graph(nodes, attrs, code, fake_mode, symint, {})
+    return _decode_graph(nodes, attrs, graph_code, written, fake_mode, symint, {})

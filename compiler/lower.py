@@ -33,7 +33,7 @@ from . import _dtensor as dt
 from . import attention as _attention
 from . import handoff
 from ._dtensor import OpSchema
-from ._torch import FakeTensorMode, OpOverload, arg_leaves, map_args, op_schema, pytree
+from ._torch import FakeTensorMode, OpOverload, add_node, arg_leaves, copy_node, map_args, op_schema, pytree
 from .tp_rules import SIZED_VIEW_OPS, VIEW_OPS
 
 _attention.register()  # the attention ops' rules (masked, document), beside DTensor's for aten ops
@@ -988,11 +988,11 @@ class _ProgramBuilder:
     def call(self, target, args, kwargs, source: fx.Node) -> fx.Node:
         val = lambda a: a.meta["val"] if isinstance(a, fx.Node) else a  # noqa: E731
         out = _meta_run(target, map_args(val, args), map_args(val, kwargs), self.device)
-        node = self.graph.call_function(target, tuple(args), dict(kwargs))
+        node = add_node(self.graph, "call_function", target, tuple(args), dict(kwargs))
         return self._annotate(node, out, source)
 
     def getitem(self, value: fx.Node, index: int, source: fx.Node) -> fx.Node:
-        node = self.graph.call_function(operator.getitem, (value, index))
+        node = add_node(self.graph, "call_function", operator.getitem, (value, index))
         return self._annotate(node, value.meta["val"][index], source)
 
     def redistribute(self, value: fx.Node, have, want, source: fx.Node) -> fx.Node:
@@ -1030,7 +1030,7 @@ class _ProgramBuilder:
                 self.attrs[name] = getattr(sub, n.target)
                 env[n] = self._annotate(self.graph.get_attr(name), n.meta.get("val"), source)
             else:
-                env[n] = self._annotate(self.graph.node_copy(n, lambda a: env[a]), n.meta.get("val"), source)
+                env[n] = self._annotate(copy_node(self.graph, n, env.__getitem__), n.meta.get("val"), source)
         return result
 
     def output(self, result) -> None:

@@ -1,5 +1,6 @@
 """Compiled ExecGraphs on 2 gloo processes: equivalence, and errors that name the problem and the fix."""
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -159,10 +160,20 @@ def check_a_warm_cache_replays_decisions():
     model, inputs = make_model("gpt"), batch()
     config = hs.DistConfig("tp2sp", tp=2, sp=True)
     out = []
+    written = []  # the graphs fx writes code for (a loaded graph runs the code its entry holds)
+    write = torch.fx.Graph.python_code
+
+    def writing(graph, *args, **kwargs):
+        written.append(len(graph.nodes))
+        return write(graph, *args, **kwargs)
+
     for _ in range(2):
         shared._LOADED.clear()  # as in another process: no LogicGraph in memory, only on disk
-        cm = hs.compile(model, inputs, [config])
-        gm = cm.exec_graph("tp2sp")
+        written.clear()
+        with mock.patch.object(torch.fx.Graph, "python_code", writing):
+            cm = hs.compile(model, inputs, [config])
+            gm = cm.exec_graph("tp2sp")
+        codes_written = len(written)
         program = next(iter(cm._state("tp2sp").programs.values()))
         loss = cm.forward_backward(*cm.shard_inputs(*inputs))
         disk = cm._cache.disk
@@ -171,7 +182,10 @@ def check_a_warm_cache_replays_decisions():
                         programs=(disk.hits["program"], disk.misses["program"]), loaded=program.loaded,
                         logic=(cm.logic_source, disk.hits["logic"]), nodes=[n.name for n in cm.logic.joint.graph.nodes],
                         collectives=[str(n.target) for n in collectives(gm)],
-                        targets=[str(n.target) for n in gm.graph.nodes],
+                        targets=[str(n.target) for n in gm.graph.nodes], codes_written=codes_written,
+                        # the code the program runs is the code fx writes for its graph (the collectives'
+                        # groups named as this model's, though the entry was written by another's)
+                        code_is_the_graphs=gm.code == write(gm.graph, "self").src,
                         grads={k: v.clone() for k, v in cm.full_grads().items()}))
     return out
 
@@ -349,6 +363,9 @@ def test_a_warm_cache_replays_decisions(results):
         assert cold["programs"] == ((0, 0) if cold is searcher else (0, 1)) and not cold["loaded"]
         assert warm["programs"] == (1, 0) and warm["loaded"] and warm["targets"] == cold["targets"]
         assert all(torch.equal(warm["grads"][k], v) for k, v in cold["grads"].items())
+        # the LogicGraph and the program are loaded with the code written for them: none written again
+        assert cold["codes_written"] > 0 and warm["codes_written"] == 0, (cold["codes_written"], warm["codes_written"])
+        assert cold["code_is_the_graphs"] and warm["code_is_the_graphs"]
 
 
 def test_a_warm_cache_fits_later_lengths(results):
