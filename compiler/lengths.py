@@ -25,17 +25,21 @@ Refused (`CannotFit`, with the reason) when:
   integer that is not affine shows (a view merging two length dims, L * L).
 The caller also checks that every size in the LogicGraph is affine in the length
 (`affine_in_length`): the integers an op computes from those sizes (a range of L * L) are not views.
+
+The program's Python code is written the same way: the first program's code with the integers of
+the lines that change replaced (`_CodeTemplate`), not generated again by fx (most of writing one).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, replace
 from fractions import Fraction
 
 import sympy
 import torch
 import torch.fx as fx
 
-from ._torch import FloorDiv, codegen
+from ._torch import FloorDiv, WrittenCode, add_node, arg_leaves, codegen, copy_node, module_with_code, written_code
 from .tp_rules import RESHAPE_OPS, SIZED_VIEW_OPS
 
 __all__ = ["CannotFit", "LengthFit", "affine_in_length", "fit", "resolved_arguments"]
@@ -224,6 +228,59 @@ def _run_on_meta(node: fx.Node):
         raise CannotFit(f"its value at this length could not be computed ({type(e).__name__}: {e})") from None
 
 
+# an integer literal as fx writes one: not part of a name, a float (1e-05, 0.5), a string ('3') or a
+# device's index (index=0)
+_INTEGER = re.compile(r"(?<![\w.'\"=+-])-?\d+(?![\w.'\"])")
+
+
+@dataclass(frozen=True)
+class _CodeTemplate:
+    """The first program's code, and where in it the integers that change are: per line that
+    changes, the spans of its integer literals and what each is (an int, or an Affine)."""
+
+    code: WrittenCode
+    lines: tuple[str, ...]
+    sites: tuple[tuple[int, tuple[tuple[int, int], ...], tuple], ...]  # (line, spans, values)
+
+    @staticmethod
+    def of(first: fx.GraphModule, args: dict) -> _CodeTemplate | None:
+        """None where a changing line's literals are not exactly its node's integers, in order (a
+        device written with its index, say): then fx writes each program's code."""
+        code = written_code(first)
+        if code is None:
+            return None
+        lines = code.src.split("\n")
+        line_of = {}
+        for i, line in enumerate(lines):
+            lhs, assigns, _ = line.partition(" = ")
+            if assigns:
+                line_of.setdefault(lhs.strip(), i)
+        sites = []
+        for node, fitted in args.items():
+            i = line_of.get(node.name)
+            if i is None:
+                return None
+            statement = lines[i].split(";  ", 1)[0]  # not fx's deletions after it (x = None)
+            literals = list(_INTEGER.finditer(statement, statement.index(" = ") + 3))
+            written = arg_leaves((node.args, node.kwargs))
+            if len(written) != len(fitted):
+                return None
+            values = [(x, f) for x, f in zip(written, fitted) if type(x) is int]
+            if len(values) != len(literals) or any(int(m.group()) != x for m, (x, _) in zip(literals, values)):
+                return None
+            sites.append((i, tuple(m.span() for m in literals), tuple(f for _, f in values)))
+        return _CodeTemplate(code, tuple(lines), tuple(sites))
+
+    def at(self, length: int) -> WrittenCode:
+        lines = list(self.lines)
+        for i, spans, values in self.sites:
+            line = lines[i]
+            for (start, end), value in reversed(list(zip(spans, values))):
+                line = line[:start] + str(_at(value, length)) + line[end:]
+            lines[i] = line
+        return replace(self.code, src="\n".join(lines))
+
+
 @dataclass(frozen=True)
 class LengthFit:
     """The program `first` (lowered at `lengths[0]`) with its integers as functions of the length."""
@@ -232,6 +289,7 @@ class LengthFit:
     lengths: tuple[int, int]
     args: dict  # node of `first` -> its arguments' leaves (Nodes, constants, Affines), where some change
     vals: dict  # node of `first` -> its meta value as the length changes, where it changes
+    code: _CodeTemplate | None = None  # its code as the length changes (None: fx writes it)
 
     def at(self, length: int) -> fx.GraphModule:
         """The program at `length` (raises CannotFit where the fit does not hold there)."""
@@ -240,11 +298,11 @@ class LengthFit:
         for node in self.first.graph.nodes:
             fitted = self.args.get(node)
             if fitted is None:
-                new = graph.node_copy(node, env.__getitem__)  # its meta copied
+                new = copy_node(graph, node, env.__getitem__)  # its meta copied
             else:
                 leaves = iter([env[x] if isinstance(x, fx.Node) else _at(x, length) for x in fitted])
                 args, kwargs = fx.node.map_aggregate(resolved_arguments(node), lambda _: next(leaves))
-                new = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
+                new = add_node(graph, node.op, node.target, args, kwargs, name=node.name)
                 new.meta = dict(node.meta)
             if node in self.vals:
                 try:
@@ -257,6 +315,8 @@ class LengthFit:
                         raise CannotFit(f"{node.name} would view {list(before.shape)} as {list(after.shape)} "
                                         f"at length {length}: an integer is not affine in the length")
             env[node] = new
+        if self.code is not None:
+            return module_with_code(self.first, graph, self.code.at(length))
         return fx.GraphModule(self.first, graph)
 
 
@@ -301,7 +361,7 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
             val = _RUN
         if val is _RUN or _varies(val):
             vals[a] = val
-    return LengthFit(first, (length_a, length_b), args, vals)
+    return LengthFit(first, (length_a, length_b), args, vals, _CodeTemplate.of(first, args))
 
 
 def affine_in_length(graph: fx.Graph, length) -> bool:

@@ -215,6 +215,8 @@ def test_a_third_length_is_fitted_and_equals_a_replay(results):
                 uneven = config == "tp4sp" and seq == 18  # 18 tokens do not split into 4 equal pieces
                 assert fitted["fitted"] == (None if uneven else (12, 16)), (config, seq, fitted["fitted"])
                 assert replayed["fitted"] is None
+                # a fitted program's code is the first's with its integers replaced, and is fx's own
+                assert fitted["templated"] and fitted["code_is_the_graphs"] and replayed["code_is_the_graphs"]
                 assert r[config][seq]["difference"] is None, (config, seq, r[config][seq]["difference"])
                 assert fitted["loss"] == replayed["loss"]
                 assert all(torch.equal(fitted["grads"][k], v) for k, v in replayed["grads"].items())

@@ -1,5 +1,7 @@
 """compiler.lengths: programs at new sequence lengths written from the fit of two (one process)."""
 
+from unittest import mock
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -31,11 +33,28 @@ def _programs(fn, lengths, shape=lambda n: (4, n, H)):
     return [make_fx(fn)(torch.randn(shape(n))) for n in lengths]
 
 
+def _written_from_the_template(fitted, length: int):
+    """`fitted.at(length)`, checking that its code was the first program's with integers replaced
+    (fx wrote none) and is exactly the code fx writes for the program's graph."""
+    written = []
+    write = torch.fx.Graph.python_code
+
+    def writing(graph, *args, **kwargs):
+        written.append(graph)
+        return write(graph, *args, **kwargs)
+
+    with mock.patch.object(torch.fx.Graph, "python_code", writing):
+        gm = fitted.at(length)
+    assert fitted.code is not None and not written
+    assert gm.code == write(gm.graph, "self").src
+    return gm
+
+
 def test_a_fitted_program_equals_the_traced_one_at_a_new_length():
     a, b, c = _programs(_attention_like, (8, 12, 20))
     fitted = fit(a, 8, b, 12)
     assert fitted.args  # view sizes, the mask's size: integers that move with the length
-    at20 = fitted.at(20)
+    at20 = _written_from_the_template(fitted, 20)
     assert same_program(at20, c) is None  # the same ops, arguments, local shapes and layouts
     x = torch.randn(4, 20, H)
     for got, want in zip(at20(x), c(x)):
@@ -50,7 +69,7 @@ def test_a_size_of_minus_one_is_read_as_the_size_it_stands_for():
         return x.view(x.shape[0], x.shape[1], 2, H // 2).sum(2)
     a = make_fx(inferred)(torch.randn(4, 8, H))  # [4, -1, 2, 4]
     b, c = _programs(written, (12, 20))  # [4, 12, 2, 4], [4, 20, 2, 4]
-    at20 = fit(a, 8, b, 12).at(20)
+    at20 = _written_from_the_template(fit(a, 8, b, 12), 20)  # the code's -1 replaced by 20
     assert same_program(at20, c, portable=True) is None
     x = torch.randn(4, 20, H)
     torch.testing.assert_close(at20(x), c(x), rtol=0, atol=0)
@@ -64,7 +83,7 @@ def test_a_slice_to_the_end_is_read_as_one_to_the_dims_size():
         return x[:, 2:x.shape[1]] * 2
     a = make_fx(to_the_end)(torch.randn(4, 8, H))  # slice(x, 1, 2, 2**63 - 1)
     b, c = _programs(to_the_length, (12, 20))  # slice(x, 1, 2, 12), slice(x, 1, 2, 20)
-    at20 = fit(a, 8, b, 12).at(20)
+    at20 = _written_from_the_template(fit(a, 8, b, 12), 20)  # the code's 9223372036854775807 replaced
     assert same_program(at20, c, portable=True) is None
 
 
