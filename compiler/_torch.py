@@ -2,8 +2,14 @@
 behind names of ours, so that an upstream change breaks this file and no other. Pinned to torch 2.13."""
 from __future__ import annotations
 
+import builtins
 import contextlib
-from dataclasses import dataclass
+import hashlib
+import linecache
+import marshal
+import sys
+import types
+from dataclasses import dataclass, replace
 
 import torch
 from torch._decomp import core_aten_decompositions
@@ -16,7 +22,8 @@ from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, 
 __all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen", "copy_node",
            "core_aten_decompositions", "detect_fake_mode", "half_precision_math_attention",
            "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "module_with_code",
-           "op_schema", "pytree", "sdpa_backend", "size_hint", "symbolic_fake_mode", "symbols_of", "written_code"]
+           "op_schema", "pytree", "renamed_strings", "sdpa_backend", "size_hint", "symbolic_fake_mode",
+           "symbols_of", "written_code"]
 
 OpOverload = torch._ops.OpOverload
 
@@ -137,12 +144,15 @@ def codegen(graph, value=None):
 @dataclass(frozen=True)
 class WrittenCode:
     """The Python code fx wrote for a GraphModule's forward: its source, the globals it runs with
-    (name -> value), fx's map from its lines to nodes and the line its body starts on."""
+    (name -> value), fx's map from its lines to nodes, the line its body starts on and, for the
+    Python named by `python`, the forward's compiled code (`marshal`'s bytes; None: compile `src`)."""
 
     src: str
     globals: dict
     lineno_map: dict | None
     prologue_start: int
+    bytecode: bytes | None = None
+    python: str = sys.implementation.cache_tag
 
 
 def written_code(gm) -> WrittenCode | None:
@@ -152,24 +162,57 @@ def written_code(gm) -> WrittenCode | None:
 
     if getattr(_config, "enrich_profiler_metadata", False):
         return None
-    scope = {k: v for k, v in gm.forward.__globals__.items() if k != "__builtins__"}
-    return WrittenCode(gm.code, scope, gm._lineno_map, getattr(gm, "_prologue_start", 0))
+    forward = type(gm).forward
+    scope = {k: v for k, v in forward.__globals__.items() if k != "__builtins__"}
+    plain = forward.__defaults__ is None and forward.__kwdefaults__ is None and forward.__closure__ is None and \
+        not any(isinstance(c, types.CodeType) for c in forward.__code__.co_consts)
+    return WrittenCode(gm.code, scope, gm._lineno_map, getattr(gm, "_prologue_start", 0),
+                       marshal.dumps(forward.__code__) if plain else None)
+
+
+def renamed_strings(code: WrittenCode, names: dict[str, str]) -> WrittenCode:
+    """`code` with the string literals `names` maps replaced (in its source and its compiled code)."""
+    src = code.src
+    for old, new in names.items():
+        src = src.replace(repr(old), repr(new))
+    bytecode = code.bytecode
+    if bytecode is not None:
+        def renamed(c):
+            if type(c) is str:
+                return names.get(c, c)
+            return type(c)(map(renamed, c)) if type(c) in (tuple, frozenset) else c
+        compiled = marshal.loads(bytecode)
+        bytecode = marshal.dumps(compiled.replace(co_consts=tuple(map(renamed, compiled.co_consts))))
+    return replace(code, src=src, bytecode=bytecode)
 
 
 def module_with_code(root, graph, code: WrittenCode):
     """`fx.GraphModule(root, graph)` running `code`, which fx wrote for this same graph (same nodes,
-    same names, same order) in another process, instead of writing it again: for an 8-layer
-    ExecGraph that was half of loading it from the compile cache."""
+    same names, same order) in another process, instead of writing it again (for an 8-layer
+    ExecGraph, half of loading it from the compile cache) and, with its compiled code for this
+    Python, instead of compiling it again (most of the rest)."""
     from torch.fx.graph import PythonCode
 
-    def python_code(root_module, **_options):
-        return PythonCode(code.src, dict(code.globals), code.lineno_map, code.prologue_start)
+    forward = None
+    if code.bytecode is not None and code.python == sys.implementation.cache_tag:
+        # the source under a name of its own, for tracebacks (fx numbers its files per process)
+        filename = f"<hotswitch code {hashlib.sha1(code.src.encode()).hexdigest()[:16]}>"
+        linecache.cache[filename] = (len(code.src), None, code.src.splitlines(keepends=True), filename)
+        compiled = marshal.loads(code.bytecode).replace(co_filename=filename)
+        forward = types.FunctionType(compiled, {**code.globals, "__builtins__": builtins}, "forward")
+        src = PythonCode("\ndef forward(self):\n    pass\n", {}, None, 0)  # replaced below
+    else:
+        src = PythonCode(code.src, dict(code.globals), code.lineno_map, code.prologue_start)
 
-    graph.python_code = python_code  # GraphModule's constructor asks the graph for its code once
+    graph.python_code = lambda root_module, **_options: src  # GraphModule's constructor asks once
     try:
-        return torch.fx.GraphModule(root, graph)
+        gm = torch.fx.GraphModule(root, graph)
     finally:
         del graph.python_code  # later edits write their code as usual
+    if forward is not None:  # as GraphModule.recompile sets them (its class is this module's own)
+        gm._code, gm._lineno_map, gm._prologue_start = code.src, code.lineno_map, code.prologue_start
+        type(gm).forward = forward
+    return gm
 
 
 def is_mutable(target) -> bool:

@@ -278,7 +278,7 @@ class _CodeTemplate:
             for (start, end), value in reversed(list(zip(spans, values))):
                 line = line[:start] + str(_at(value, length)) + line[end:]
             lines[i] = line
-        return replace(self.code, src="\n".join(lines))
+        return replace(self.code, src="\n".join(lines), bytecode=None)  # the first's compiled code is not this
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from ._torch import (
     codegen,
     map_args,
     module_with_code,
+    renamed_strings,
     symbolic_fake_mode,
     symbols_of,
     written_code,
@@ -287,16 +288,12 @@ def dumps_program(gm: fx.GraphModule, groups: dict[str, int]) -> bytes | None:
             args = (*args[:-1], _Group(groups[args[-1]]))
         nodes.append((name, op, target, args, kwargs, meta, val))
     if written is not None:
-        src = written.src
-        for name, count in named.items():
-            # the code names each group once per collective, as a string literal; a literal equal to a
-            # group's name anywhere else leaves the code out (the loading process writes it)
-            if src.count(repr(name)) != count:
-                written = None
-                break
-            src = src.replace(repr(name), _group_token(groups[name]))
+        # the code names each group once per collective, as a string literal; a literal equal to a
+        # group's name anywhere else leaves the code out (the loading process writes it)
+        if all(written.src.count(repr(name)) == count for name, count in named.items()):
+            written = renamed_strings(written, {name: _group_token(groups[name]) for name in named})
         else:
-            written = replace(written, src=src)
+            written = None
     return pickle.dumps((_VERSION, nodes, attrs, graph_code, written), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -312,9 +309,6 @@ def loads_program(data: bytes, group_names: list[str]) -> fx.GraphModule:
     nodes = [(name, op, target, tuple(group_names[a.axis] if isinstance(a, _Group) else a for a in args), kwargs,
               meta, val) for name, op, target, args, kwargs, meta, val in nodes]
     if written is not None:
-        src = written.src
-        for axis, name in enumerate(group_names):
-            src = src.replace(_group_token(axis), repr(name))
-        written = replace(written, src=src)
+        written = renamed_strings(written, {_group_token(axis): name for axis, name in enumerate(group_names)})
     fake_mode, symint = symbolic_fake_mode({})
     return _decode_graph(nodes, attrs, graph_code, written, fake_mode, symint, {})

@@ -1,10 +1,12 @@
 """The persistent compile cache (pure: no process group): round trips, corrupt and truncated entries
 recovered from, concurrent writers, and the environment switches."""
 import os
+import pickle
 import threading
 import warnings
 
 import pytest
+import torch
 
 from hotswitch.compiler.cache import CompileCache, default_cache
 from hotswitch.compiler.lower import ShardingDecisions
@@ -122,3 +124,37 @@ def test_a_logic_graph_traced_by_other_code_is_not_loaded(tmp_path, monkeypatch)
     monkeypatch.setattr(cache_module, "_version", lambda: "another hotswitch")
     monkeypatch.setattr(shared, "_LOADED", {})
     assert shared.trace_once(model, (ids, ids), store)[1] == "traced"
+
+
+def _program_with_collectives(group: str, rounding: str) -> torch.fx.GraphModule:
+    """x -> all_reduce over `group` -> x // 2 (`rounding` mode): an ExecGraph-like program."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    reduced = graph.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", group))
+    waited = graph.call_function(torch.ops._c10d_functional.wait_tensor.default, (reduced,))
+    halved = graph.call_function(torch.ops.aten.div.Tensor_mode, (waited, 2), {"rounding_mode": rounding})
+    graph.output((halved,))
+    return torch.fx.GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize("rounding", ["trunc", "floor"])
+def test_a_cached_program_runs_its_code_with_this_processs_group_names(rounding):
+    """An ExecGraph's entry holds its code, compiled too, with each collective's group as its mesh
+    axis: loaded, the code (source and compiled) names this process's group, and equals the code fx
+    writes for the loaded graph. A string equal to the group's name elsewhere in the code ("floor",
+    here) leaves the code out of the entry: fx writes it again on loading, the same."""
+    from hotswitch.compiler.logic_io import dumps_program, loads_program
+
+    gm = _program_with_collectives("floor", rounding)
+    entry = dumps_program(gm, {"floor": 0})
+    *_, written = pickle.loads(entry)  # the entry: its version, nodes, attributes, codegen and code
+    assert (written is None) == (rounding == "floor")
+    loaded = loads_program(entry, ["tp-of-this-process"])
+    assert loaded.code == loaded.graph.python_code("self").src
+    assert "'tp-of-this-process'" in loaded.code and f"rounding_mode = '{rounding}'" in loaded.code
+    constants = set(type(loaded).forward.__code__.co_consts)
+    if rounding == "trunc":  # the entry's compiled code, its group renamed
+        assert "tp-of-this-process" in constants and not any("hotswitch group" in str(c) for c in constants)
+    x = torch.arange(6.0)
+    with pytest.raises(Exception, match="tp-of-this-process"):  # the collective runs on the renamed group
+        loaded(x)

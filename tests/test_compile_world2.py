@@ -186,6 +186,9 @@ def check_a_warm_cache_replays_decisions():
                         # the code the program runs is the code fx writes for its graph (the collectives'
                         # groups named as this model's, though the entry was written by another's)
                         code_is_the_graphs=gm.code == write(gm.graph, "self").src,
+                        # and its compiled code (loaded, not compiled again) names this model's groups
+                        groups=({n.args[-1] for n in collectives(gm)}, set(type(gm).forward.__code__.co_consts),
+                                {cm.process_group("tp2sp", "tp").group_name}),
                         grads={k: v.clone() for k, v in cm.full_grads().items()}))
     return out
 
@@ -366,6 +369,9 @@ def test_a_warm_cache_replays_decisions(results):
         # the LogicGraph and the program are loaded with the code written for them: none written again
         assert cold["codes_written"] > 0 and warm["codes_written"] == 0, (cold["codes_written"], warm["codes_written"])
         assert cold["code_is_the_graphs"] and warm["code_is_the_graphs"]
+        for run in (cold, warm):
+            named, constants, own = run["groups"]
+            assert named == own and named <= constants and not any("hotswitch group" in str(c) for c in constants)
 
 
 def test_a_warm_cache_fits_later_lengths(results):
