@@ -39,6 +39,7 @@ from .tp_rules import SIZED_VIEW_OPS, VIEW_OPS
 _attention.register()  # the attention ops' rules (masked, document), beside DTensor's for aten ops
 
 aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
 
 _DROP_OPS = {aten._assert_tensor_metadata.default, aten._assert_scalar.default}
 _SYM_OPS = {aten.sym_size.int, aten.sym_numel.default, aten.sym_stride.int, aten.sym_storage_offset.default}
@@ -848,11 +849,15 @@ def lower(
             continue
         if node.op == "output":
             leaves = [env[a] for a in pytree.tree_leaves(node.args[0])]
-            # what the end depends on: the outputs' local and global layouts (a gradient's are its
-            # parameter's), not the sequence length: traced once per config, reused at other lengths
-            key = ("finish", id(mesh), out_plan, tuple(sharding.output_specs), bucket_bytes, device,
-                   tuple(_layout(v.meta["val"]) if isinstance(v, fx.Node) else ("const", repr(v)) for v in leaves))
-            program.output(program.inline(key, lambda *values: finish(list(values)), leaves, node))
+            if isinstance(out_plan, OutputPlan) and _OnProgram.takes(leaves):
+                result = _finish(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes, _OnProgram(program, node))
+            else:
+                # what the end depends on: the outputs' local and global layouts (a gradient's are its
+                # parameter's), not the sequence length: traced once per config, reused at other lengths
+                key = ("finish", id(mesh), out_plan, tuple(sharding.output_specs), bucket_bytes, device,
+                       tuple(_layout(v.meta["val"]) if isinstance(v, fx.Node) else ("const", repr(v)) for v in leaves))
+                result = program.inline(key, lambda *values: finish(list(values)), leaves, node)
+            program.output(result)
             add_hand_offs(program.graph, sharding.output_specs, out_plan, bucket_bytes)
             break
         d = decisions[node]
@@ -990,6 +995,10 @@ class _ProgramBuilder:
         out = _meta_run(target, map_args(val, args), map_args(val, kwargs), self.device)
         node = add_node(self.graph, "call_function", target, tuple(args), dict(kwargs))
         return self._annotate(node, out, source)
+
+    def emit(self, target, args: tuple, val: torch.Tensor, source: fx.Node) -> fx.Node:
+        """A node whose value the caller knows (a collective's: its input's shape)."""
+        return self._annotate(add_node(self.graph, "call_function", target, args), val, source)
 
     def getitem(self, value: fx.Node, index: int, source: fx.Node) -> fx.Node:
         node = add_node(self.graph, "call_function", operator.getitem, (value, index))
@@ -1228,18 +1237,91 @@ def _buckets(leaves, specs, num_losses: int, bucket_bytes: int) -> dict[tuple, l
     return groups
 
 
-def _finish(leaves, specs, plan: OutputPlan, mesh, bucket_bytes):
-    """Reduce partial outputs in buckets, divide by the loss denominator, put grads in param layout."""
-    from torch.distributed import _functional_collectives as funcol
+class _OnTensors:
+    """`_finish`'s operations on tensors (local values, traced by make_fx: `lower_reduction`)."""
 
+    value = staticmethod(lambda x: x)
+    flat = staticmethod(lambda x: x.reshape(-1))
+    cat = staticmethod(torch.cat)
+    split = staticmethod(lambda x, sizes: x.split(sizes))
+    view = staticmethod(lambda x, shape: x.view(shape))
+    redistribute = staticmethod(dt.redistribute)
+    to = staticmethod(lambda x, dtype: x.to(dtype))
+    div = staticmethod(operator.truediv)
+
+    @staticmethod
+    def all_reduce(x, mesh, dim: int):
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(x, "sum", (mesh, dim))
+
+
+class _OnProgram:
+    """`_finish`'s operations emitted into a program under construction, by its builder: the nodes
+    make_fx would trace from `_OnTensors`, each value from its op's meta kernel (tracing the end of
+    an 8-layer model through make_fx was a fifth of lowering it). For outputs a flat view can read
+    (`takes`); others are traced."""
+
+    def __init__(self, program: _ProgramBuilder, source: fx.Node):
+        self.program, self.source = program, source
+
+    @staticmethod
+    def takes(leaves) -> bool:
+        def flattens(v) -> bool:
+            try:
+                v.view(-1)  # as reshape(-1) does, without a copy
+            except RuntimeError:
+                return False
+            return True
+        return all(isinstance(v, fx.Node) and isinstance(v.meta.get("val"), torch.Tensor) and flattens(v.meta["val"])
+                   for v in leaves)
+
+    def _call(self, target, *args, **kwargs) -> fx.Node:
+        return self.program.call(target, args, kwargs, self.source)
+
+    def value(self, x: fx.Node) -> torch.Tensor:
+        return x.meta["val"]
+
+    def flat(self, x):
+        return self._call(aten.view.default, x, [-1])
+
+    def cat(self, xs):
+        return self._call(aten.cat.default, list(xs))
+
+    def split(self, x, sizes):
+        parts = self._call(aten.split_with_sizes.default, x, list(sizes))
+        return [self.program.getitem(parts, i, self.source) for i in range(len(sizes))]
+
+    def view(self, x, shape):
+        return self._call(aten.view.default, x, list(shape))
+
+    def redistribute(self, x, have, want):
+        return self.program.redistribute(x, have, want, self.source)
+
+    def to(self, x, dtype):
+        return x if x.meta["val"].dtype == dtype else self._call(aten._to_copy.default, x, dtype=dtype)
+
+    def div(self, x, y):
+        return self._call(aten.div.Tensor, x, y)
+
+    def all_reduce(self, x, mesh, dim: int):
+        # the collective's value is its input's shape: no kernel to run for it
+        group = mesh.get_group(dim).group_name
+        reduced = self.program.emit(c10d.all_reduce.default, (x, "sum", group), x.meta["val"], self.source)
+        return self.program.emit(c10d.wait_tensor.default, (reduced,), x.meta["val"], self.source)
+
+
+def _finish(leaves, specs, plan: OutputPlan, mesh, bucket_bytes, ops=_OnTensors):
+    """Reduce partial outputs in buckets, divide by the loss denominator, put grads in param layout.
+    `ops`: on tensors (traced), or emitted into a program (`_OnProgram`)."""
     reduced = list(leaves)
-    for dims, buckets in _buckets(leaves, specs, plan.num_losses, bucket_bytes).items():
+    for dims, buckets in _buckets([ops.value(v) for v in leaves], specs, plan.num_losses, bucket_bytes).items():
         for bucket in buckets:
-            flat = torch.cat([leaves[i].reshape(-1) for i in bucket])
+            flat = ops.cat([ops.flat(leaves[i]) for i in bucket])
             for d in dims:
-                flat = funcol.all_reduce(flat, "sum", (mesh, d))
-            for i, piece in zip(bucket, flat.split([leaves[i].numel() for i in bucket])):
-                reduced[i] = piece.view(leaves[i].shape)
+                flat = ops.all_reduce(flat, mesh, d)
+            for i, piece in zip(bucket, ops.split(flat, [ops.value(leaves[i]).numel() for i in bucket])):
+                reduced[i] = ops.view(piece, ops.value(leaves[i]).shape)
     final_specs = [
         dt.DTensorSpec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements), s.tensor_meta)
         for s in specs
@@ -1247,11 +1329,11 @@ def _finish(leaves, specs, plan: OutputPlan, mesh, bucket_bytes):
     losses, grads = reduced[: plan.num_losses], reduced[plan.num_losses:]
     for k, (g, have, want) in enumerate(zip(grads, final_specs[plan.num_losses:], plan.param_specs)):
         if have.placements != want.placements:
-            grads[k] = dt.redistribute(g, have, want)
+            grads[k] = ops.redistribute(g, have, want)
     if plan.split_loss:
         num, den = losses
-        den = den.to(num.dtype)
-        return (num / den, *[g / den for g in grads])
+        den = ops.to(den, ops.value(num).dtype)
+        return (ops.div(num, den), *[ops.div(g, den) for g in grads])
     return (losses[0], *grads)
 
 

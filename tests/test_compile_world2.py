@@ -263,8 +263,10 @@ def check_waits_sit_where_results_are_read():
 
 def check_lowering_equals_make_fx():
     """Programs built node by node equal the make_fx interpreter's: a vocab-parallel embedding and
-    sequence parallelism (our GPT), pipeline stages, GQA's strided heads (Llama), Conv1D (GPT-2)."""
-    return {"gpt": lowering_equals_make_fx("gpt", [hs.DistConfig("tp2sp", tp=2, sp=True), hs.DistConfig("pp2", pp=2)]),
+    sequence parallelism (our GPT), pipeline stages, data parallelism's loss and gradient buckets,
+    GQA's strided heads (Llama), Conv1D (GPT-2)."""
+    return {"gpt": lowering_equals_make_fx("gpt", [hs.DistConfig("tp2sp", tp=2, sp=True), hs.DistConfig("pp2", pp=2),
+                                                   hs.DistConfig("dp2", dp=2)]),
             "llama": lowering_equals_make_fx("llama", [hs.DistConfig("tp2sp", tp=2, sp=True)]),
             "gpt2": lowering_equals_make_fx("gpt2", [hs.DistConfig("tp2", tp=2)])}
 
@@ -385,6 +387,6 @@ def test_a_warm_cache_fits_later_lengths(results):
 def test_lowering_builds_the_program_make_fx_would_trace(results):
     for rank in results["check_lowering_equals_make_fx"].raise_if_failed():
         for model, differences in rank.items():
-            expected = 2 if model == "gpt" else 1  # tp2sp's program and this rank's pp2 stage
+            expected = 3 if model == "gpt" else 1  # tp2sp's program, this rank's pp2 stage, dp2's program
             assert len(differences) >= expected, (model, "programs lowered:", len(differences))
             assert differences == [None] * len(differences), (model, differences)

@@ -11,6 +11,7 @@ from tests.compile_checks import (
     eager_vs_inductor,
     fitted_equals_replayed,
     forward_collectives_per_block,
+    lowering_equals_make_fx,
     make_model,
     replay_equals_fresh,
 )
@@ -91,6 +92,12 @@ def check_fitted_lengths_equal_a_replay():
             (("dp2tp2", hs.DistConfig("dp2tp2", dp=2, tp=2)), ("tp4sp", hs.DistConfig("tp4sp", tp=4, sp=True)))}
 
 
+def check_lowering_equals_make_fx_on_a_2d_mesh():
+    """dp2tp2's program built node by node equals the make_fx interpreter's: gradient buckets reduced
+    over both mesh dims (layer norms' gradients are partial over dp and tp), the loss divided once."""
+    return lowering_equals_make_fx("gpt", [hs.DistConfig("dp2tp2", dp=2, tp=2)])
+
+
 def check_dp_ranks_lower_one_program():
     """Ranks that differ only in their dp coordinate, with equal local batches, run one lowering
     between them (the others load its program), at the first length and at a second one (there
@@ -124,7 +131,8 @@ def check_dp_ranks_lower_one_program():
     return out
 
 
-results = dist_fixture(4, [check_dp_ranks_lower_one_program, check_fitted_lengths_equal_a_replay,
+results = dist_fixture(4, [check_dp_ranks_lower_one_program, check_lowering_equals_make_fx_on_a_2d_mesh,
+                           check_fitted_lengths_equal_a_replay,
                            check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
                            check_collectives_gpt, check_collectives_llama,
                            check_wrong_device_count, check_replayed_decisions_equal_a_fresh_lowering,
@@ -221,6 +229,11 @@ def test_a_third_length_is_fitted_and_equals_a_replay(results):
                 assert fitted["loss"] == replayed["loss"]
                 assert all(torch.equal(fitted["grads"][k], v) for k, v in replayed["grads"].items())
                 assert fitted["loss_err"] <= 1e-5 and fitted["grad_err"] <= 1e-5, (config, seq)
+
+
+def test_lowering_builds_the_program_make_fx_would_trace_on_a_2d_mesh(results):
+    for differences in results["check_lowering_equals_make_fx_on_a_2d_mesh"].raise_if_failed():
+        assert len(differences) == 1 and differences == [None], differences
 
 
 def test_dp_ranks_lower_one_program_for_all(results):
