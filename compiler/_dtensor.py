@@ -163,6 +163,10 @@ def decode_spec(mesh: DeviceMesh, encoded: tuple) -> DTensorSpec:
     return DTensorSpec(mesh, decode_placements(placements), TensorMeta(torch.Size(shape), stride, dtype))
 
 
+_PLAIN_CODES = {Replicate: lambda p: ("R",), Shard: lambda p: ("S", p.dim), Partial: lambda p: ("P", p.reduce_op),
+                StridedShard: lambda p: ("SS", p.dim, int(p.split_factor))}
+
+
 def encode_placements(obj):
     """Placements (nested in tuples and lists) as plain tuples, for ShardingDecisions and the
     persistent cache: ("R",), ("S", dim), ("SS", dim, split_factor), ("P", op) and, for DTensor's
@@ -172,10 +176,14 @@ def encode_placements(obj):
     links: dict[int, int] = {}
 
     def one(p):
-        if isinstance(p, (tuple, list)):
-            return type(p)(one(q) for q in p)
+        kind = type(p)
+        if kind is tuple or kind is list:
+            return kind(one(q) for q in p)
         if p is None:
             return None
+        plain = _PLAIN_CODES.get(kind)  # by exact type first: an isinstance on a placement class
+        if plain is not None:  # goes through torch's opaque-type check (a million per lowering)
+            return plain(p)
         if isinstance(p, _MaskPartial):
             link = links.setdefault(id(p.mask_buffer), len(links))
             shape = None if p.offset_shape is None else tuple(p.offset_shape)

@@ -197,8 +197,8 @@ def _mentions(encoded, kinds: tuple[str, ...]) -> bool:
     stack = [encoded]
     while stack:
         e = stack.pop()
-        if isinstance(e, (tuple, list)) and e:
-            if isinstance(e[0], str):
+        if (type(e) is tuple or type(e) is list) and e:  # encoded: plain tuples and lists only
+            if type(e[0]) is str:
                 if e[0] in kinds:
                     return True
             else:
