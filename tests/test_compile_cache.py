@@ -158,3 +158,25 @@ def test_a_cached_program_runs_its_code_with_this_processs_group_names(rounding)
     x = torch.arange(6.0)
     with pytest.raises(Exception, match="tp-of-this-process"):  # the collective runs on the renamed group
         loaded(x)
+
+
+def test_compiled_code_from_another_python_is_compiled_again():
+    """An entry's compiled code is for the Python that wrote it (`marshal`'s format changes between
+    versions): another Python compiles the entry's source instead, and runs the same."""
+    from dataclasses import replace
+
+    from hotswitch.compiler.logic_io import dumps_program, loads_program
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (x, x)),))
+    version, nodes, attrs, codegen, written = pickle.loads(dumps_program(torch.fx.GraphModule({}, graph), {}))
+    assert written is not None and written.bytecode is not None
+    other = pickle.dumps((version, nodes, attrs, codegen, replace(written, python="cpython-999")))
+    for entry in (other, pickle.dumps((version, nodes, attrs, codegen, written))):
+        loaded = loads_program(entry, [])
+        assert loaded.code == loaded.graph.python_code("self").src
+        torch.testing.assert_close(loaded(torch.arange(3.0))[0], torch.tensor([0.0, 1.0, 4.0]))
+    # which path ran: only this Python's own compiled code is registered under hotswitch's name
+    assert type(loads_program(other, [])).forward.__code__.co_filename.startswith("<eval_with_key>")
+    assert type(loaded).forward.__code__.co_filename.startswith("<hotswitch code")
