@@ -253,6 +253,9 @@ def dumps_logic(logic: LogicGraph) -> bytes:
     encoder = _Encoder()  # one numbering for both graphs: they share sizes
     encoded = {k: _encode_graph(gm, encoder) for k, gm in graphs.items()}
     symbols = symbols_of(encoder.alive)  # every size written is made of these
+    written = encoded["joint"][3]  # the joint's code as its GraphModule has it: its text, not written again
+    if written is not None and logic.joint.graph not in _GRAPH_TEXT:
+        _GRAPH_TEXT[logic.joint.graph] = written.src
     return pickle.dumps((_VERSION, symbols, encoded, rest, graph_text(logic.joint.graph)),
                         protocol=pickle.HIGHEST_PROTOCOL)
 
