@@ -21,7 +21,7 @@ from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, 
 
 __all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen", "copy_node",
            "core_aten_decompositions", "detect_fake_mode", "half_precision_math_attention",
-           "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "module_with_code",
+           "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "meta_like", "module_with_code",
            "op_schema", "pytree", "renamed_strings", "sdpa_backend", "size_hint", "symbolic_fake_mode",
            "symbols_of", "written_code"]
 
@@ -40,6 +40,17 @@ def arg_leaves(args) -> list:
     leaves: list = []
     map_aggregate(args, leaves.append)
     return leaves
+
+
+def meta_like(value):
+    """Shapes, strides and dtypes of `value` (a tensor, or a tuple or list of them) on the meta device."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            return value
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(meta_like(v) for v in value)
+    return value
 
 
 def add_node(graph, op: str, target, args: tuple = (), kwargs: dict | None = None, name: str | None = None):
@@ -155,17 +166,18 @@ class WrittenCode:
     python: str = sys.implementation.cache_tag
 
 
-def written_code(gm) -> WrittenCode | None:
-    """The code fx wrote for `gm` when it last generated it (None where fx annotates it for the
-    profiler: that code names a file registered in this process only)."""
+def written_code(gm, compiled: bool = True) -> WrittenCode | None:
+    """The code fx wrote for `gm` when it last generated it, with its compiled code where `compiled`
+    (None where fx annotates it for the profiler: that code names a file registered in this process
+    only)."""
     from torch.fx.experimental import _config
 
     if getattr(_config, "enrich_profiler_metadata", False):
         return None
     forward = type(gm).forward
     scope = {k: v for k, v in forward.__globals__.items() if k != "__builtins__"}
-    plain = forward.__defaults__ is None and forward.__kwdefaults__ is None and forward.__closure__ is None and \
-        not any(isinstance(c, types.CodeType) for c in forward.__code__.co_consts)
+    plain = compiled and forward.__defaults__ is None and forward.__kwdefaults__ is None and \
+        forward.__closure__ is None and not any(isinstance(c, types.CodeType) for c in forward.__code__.co_consts)
     return WrittenCode(gm.code, scope, gm._lineno_map, getattr(gm, "_prologue_start", 0),
                        marshal.dumps(forward.__code__) if plain else None)
 

@@ -34,7 +34,7 @@ from hotswitch.kernels import attention as _kernel
 
 from . import _dtensor as dt
 from . import _torch
-from ._torch import map_args
+from ._torch import map_args, meta_like
 
 __all__ = ["ATTENTION_OPS", "MASKED_OPS", "AttentionWhole", "fused_kernels", "register"]
 
@@ -217,7 +217,8 @@ def _write_fused(graph: fx.Graph, forward: fx.Node, backward: fx.Node | None, de
 
     def call(target, *args, **kwargs) -> fx.Node:
         node = graph.call_function(target, args, kwargs)
-        node.meta["val"] = target(*map_args(_on_meta, args), **map_args(_on_meta, kwargs))  # meta kernels
+        meta = lambda a: meta_like(a.meta["val"]) if isinstance(a, fx.Node) else a  # noqa: E731
+        node.meta["val"] = target(*map_args(meta, args), **map_args(meta, kwargs))  # meta kernels
         return node
 
     def item(node, i) -> fx.Node:
@@ -285,11 +286,3 @@ def _write_fused(graph: fx.Graph, forward: fx.Node, backward: fx.Node | None, de
         graph.erase_node(user)
     graph.erase_node(backward)
     return True
-
-
-def _on_meta(a):
-    """A node's value as a meta tensor (shape, strides, dtype), other arguments as they are."""
-    value = a.meta["val"] if isinstance(a, fx.Node) else a
-    if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    return value

@@ -246,7 +246,7 @@ class _CodeTemplate:
     def of(first: fx.GraphModule, args: dict) -> _CodeTemplate | None:
         """None where a changing line's literals are not exactly its node's integers, in order (a
         device written with its index, say): then fx writes each program's code."""
-        code = written_code(first)
+        code = written_code(first, compiled=False)  # each length's code is compiled anew
         if code is None:
             return None
         lines = code.src.split("\n")
@@ -278,7 +278,7 @@ class _CodeTemplate:
             for (start, end), value in reversed(list(zip(spans, values))):
                 line = line[:start] + str(_at(value, length)) + line[end:]
             lines[i] = line
-        return replace(self.code, src="\n".join(lines), bytecode=None)  # the first's compiled code is not this
+        return replace(self.code, src="\n".join(lines))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from . import _dtensor as dt
 from . import attention as _attention
 from . import handoff
 from ._dtensor import OpSchema
-from ._torch import FakeTensorMode, OpOverload, add_node, arg_leaves, copy_node, map_args, op_schema, pytree
+from ._torch import FakeTensorMode, OpOverload, add_node, arg_leaves, copy_node, map_args, meta_like, op_schema, pytree
 from .tp_rules import SIZED_VIEW_OPS, VIEW_OPS
 
 _attention.register()  # the attention ops' rules (masked, document), beside DTensor's for aten ops
@@ -744,7 +744,7 @@ def _meta_run(target, args, kwargs, device: torch.device | None = None):
         out = target(*map_args(like("meta"), args), **map_args(like("meta"), meta_kwargs))
     except (NotImplementedError, RuntimeError):  # no meta kernel (a real error raises again below)
         with _fake_mode:
-            out = _on_meta(target(*map_args(like(device), args), **map_args(like(device), kwargs)))
+            out = meta_like(target(*map_args(like(device), args), **map_args(like(device), kwargs)))
     if key is not None:
         if len(_META_MEMO) > 100_000:
             _META_MEMO.clear()
@@ -774,17 +774,6 @@ def _signature(a):
 
 def _takes_device(target) -> bool:
     return isinstance(target, OpOverload) and any(a.name == "device" for a in op_schema(target).arguments)
-
-
-def _on_meta(value):
-    """Shapes, strides and dtypes of `value` (a tensor, or a tuple or list of them) on the meta device."""
-    if isinstance(value, torch.Tensor):
-        if value.device.type == "meta":
-            return value
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
-    if isinstance(value, (tuple, list)):
-        return type(value)(_on_meta(v) for v in value)
-    return value
 
 
 # --------------------------------------------------------------------------------------------- lowering
@@ -987,7 +976,7 @@ class _ProgramBuilder:
     def placeholder(self, example: torch.Tensor) -> fx.Node:
         node = self.graph.placeholder(f"arg{self.placeholders}_1")
         self.placeholders += 1
-        node.meta["val"] = _on_meta(example)
+        node.meta["val"] = meta_like(example)
         return node
 
     def call(self, target, args, kwargs, source: fx.Node) -> fx.Node:
@@ -1056,7 +1045,7 @@ class _ProgramBuilder:
     def _annotate(node: fx.Node, val, source: fx.Node) -> fx.Node:
         node.meta = {k: source.meta[k] for k in _SOURCE_META if k in source.meta}
         if val is not None:
-            node.meta["val"] = _on_meta(val)
+            node.meta["val"] = meta_like(val)
         return node
 
 
