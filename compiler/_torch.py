@@ -19,11 +19,11 @@ from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, in sympy
 
-__all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen", "copy_node",
-           "core_aten_decompositions", "detect_fake_mode", "half_precision_math_attention",
-           "inductor_compile", "inductor_default_cache_dir", "is_mutable", "map_args", "meta_like", "module_with_code",
-           "op_schema", "pytree", "renamed_strings", "sdpa_backend", "size_hint", "symbolic_fake_mode",
-           "symbols_of", "written_code"]
+__all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen",
+           "codeless_modules", "copy_node", "core_aten_decompositions", "detect_fake_mode",
+           "half_precision_math_attention", "inductor_compile", "inductor_default_cache_dir", "is_mutable",
+           "map_args", "meta_like", "module_with_code", "op_schema", "pytree", "renamed_strings", "sdpa_backend",
+           "size_hint", "symbolic_fake_mode", "symbols_of", "with_code", "written_code"]
 
 OpOverload = torch._ops.OpOverload
 
@@ -102,6 +102,34 @@ def half_precision_math_attention():
         yield
     finally:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+
+
+@contextlib.contextmanager
+def codeless_modules():
+    """Within: make_fx and torch.export build their GraphModules without writing their Python code
+    (fx's lazy modules, as torch.compile builds them), which is written, if ever, when first read or
+    run. A trace wrote the code of each intermediate module (export's passes, make_fx's result) and
+    threw it away: 9 writings of a model's graphs per trace where 2 are read. Hand a module built
+    here on with `with_code`."""
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    with _use_lazy_graph_module(True):
+        yield
+
+
+def with_code(gm):
+    """`gm`, its graph edited, as a plain GraphModule whose code is its graph's: one built within
+    `codeless_modules` becomes a GraphModule (its code written once, here), any other is recompiled.
+    (A lazy module's `recompile` only marks its code stale, and the compiler reads and sets a module's
+    written code itself: `written_code`, `module_with_code`.)"""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    if not isinstance(gm, _LazyGraphModule):
+        gm.recompile()
+        return gm
+    out = torch.fx.GraphModule(gm, gm.graph, class_name=type(gm).__name__)
+    out.meta.update(gm.meta)
+    return out
 
 
 def inductor_compile(gm, example_inputs: list):

@@ -33,7 +33,19 @@ from . import _dtensor as dt
 from . import attention as _attention
 from . import handoff
 from ._dtensor import OpSchema
-from ._torch import FakeTensorMode, OpOverload, add_node, arg_leaves, copy_node, map_args, meta_like, op_schema, pytree
+from ._torch import (
+    FakeTensorMode,
+    OpOverload,
+    add_node,
+    arg_leaves,
+    codeless_modules,
+    copy_node,
+    map_args,
+    meta_like,
+    op_schema,
+    pytree,
+    with_code,
+)
 from .tp_rules import SIZED_VIEW_OPS, VIEW_OPS
 
 _attention.register()  # the attention ops' rules (masked, document), beside DTensor's for aten ops
@@ -1010,7 +1022,7 @@ class _ProgramBuilder:
         sub = self.traced[key][0] if key in self.traced else None
         if sub is None:
             examples = [_example(n.meta["val"], self.device) for n in tensors]
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), codeless_modules():  # its nodes are copied; its code is never read
                 warnings.simplefilter("ignore")
                 sub = make_fx(on_tensors, tracing_mode="fake")(*examples)
             if key is not None:
@@ -1352,11 +1364,10 @@ def lower_reduction(specs: list, plan: OutputPlan, mesh: dt.DeviceMesh, local_ex
         den, *grads = _finish(list(leaves), specs, OutputPlan(False, 1, plan.param_specs), mesh, bucket_bytes)
         return (den, *[g / den.to(g.dtype) for g in grads])
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), codeless_modules():  # its code is written once, edited
         warnings.simplefilter("ignore")
         gm = make_fx(run, tracing_mode="fake")(*local_examples)
     for node in gm.graph.nodes:
         node.meta["custom"] = {**node.meta.get("custom", {}), "phase": "reduce"}
     gm.graph.eliminate_dead_code()
-    gm.recompile()
-    return gm
+    return with_code(gm)

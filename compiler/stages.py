@@ -50,7 +50,7 @@ from torch.utils.flop_counter import flop_registry
 
 from hotswitch.distconfig import balanced_split
 
-from ._torch import OpOverload, detect_fake_mode, is_mutable, pytree, size_hint
+from ._torch import OpOverload, codeless_modules, detect_fake_mode, is_mutable, pytree, size_hint
 from .trace import (
     LogicGraph,
     _no_duck_sizing,
@@ -364,7 +364,7 @@ def stage_joint(logic: LogicGraph, stage: Stage) -> fx.GraphModule:
         full = [torch.zeros_like(t) if g is None else g for t, g in zip(list(params) + list(acts), full)]
         return (*outs, *full)
 
-    with _no_duck_sizing():
+    with _no_duck_sizing(), codeless_modules():  # tidy_joint writes the joint's code once, at its end
         gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="fake")(
             params, list(buffers), list(inputs), acts, grads_out
         )

@@ -33,11 +33,13 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from ._torch import (
     OpOverload,
+    codeless_modules,
     core_aten_decompositions,
     detect_fake_mode,
     half_precision_math_attention,
     is_mutable,
     pytree,
+    with_code,
 )
 from .attention import AttentionWhole
 from .garbage import collector_paused
@@ -155,7 +157,8 @@ def _decompose(gm: fx.GraphModule, fake_inputs: list) -> fx.GraphModule:
         detect_fake_mode(fake_inputs),
     ):
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-        return make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake")(*fake_inputs)
+        with codeless_modules():  # the caller edits the graph, then writes its code once (`with_code`)
+            return make_fx(run, decomposition_table=decomposition_table(), tracing_mode="fake")(*fake_inputs)
 
 
 def _no_duck_sizing():
@@ -422,7 +425,7 @@ def trace(
         _normalize_reduce_dims(fwd)
         _squeeze_one_dim(fwd)
         split = _split_loss(fwd, _param_nodes(fwd, len(param_names)))
-        fwd.recompile()  # the passes above edit the graph; its code is written once, here
+        fwd = with_code(fwd)  # the passes above edit the graph; its code is written once, here
         joint = _make_joint(fwd, len(params), len(buffers))
     return LogicGraph(
         forward=fwd, joint=joint, param_names=param_names, buffer_names=buffer_names,
@@ -459,8 +462,10 @@ def _export(model: torch.nn.Module, example_inputs: tuple, dynamic_dims: dict[in
             out.append(dims)
         return (tuple(out),)  # LossModule.forward(*tensors): export binds them to one parameter
 
+    # codeless_modules: export's passes each wrote the code of the graph they edited (5 writings per
+    # export), which nothing reads: the exported program's module is written once, at its end
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), warnings.catch_warnings(), \
-            AttentionWhole():  # attention one op, run by torch's fused kernels (compiler/attention.py)
+            AttentionWhole(), codeless_modules():  # AttentionWhole: attention one op (compiler/attention.py)
         # torch 2.13's own pytree use warns on every export; nothing for the user to act on
         warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
         try:
@@ -579,7 +584,7 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.Gr
     with fake_mode:
         p = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in params]
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), half_precision_math_attention(), \
-            fake_mode:
+            fake_mode, codeless_modules():  # tidy_joint writes the joint's code once, at its end
         trace_joint = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="fake")
         gm = trace_joint(p, list(buffers), list(inputs))
         if any(is_mutable(n.target) for n in gm.graph.nodes):
@@ -601,5 +606,4 @@ def tidy_joint(gm: fx.GraphModule, num_static: int) -> fx.GraphModule:
     gm = _cse(gm)
     _normalize_reduce_dims(gm)
     _squeeze_one_dim(gm)  # the joint's trace decomposes squeeze.dim again
-    gm.recompile()
-    return gm
+    return with_code(gm)
