@@ -31,7 +31,9 @@ the lines that change replaced (`_CodeTemplate`), not generated again by fx (mos
 """
 from __future__ import annotations
 
+import marshal
 import re
+import types
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -236,11 +238,18 @@ _INTEGER = re.compile(r"(?<![\w.'\"=+-])-?\d+(?![\w.'\"])")
 @dataclass(frozen=True)
 class _CodeTemplate:
     """The first program's code, and where in it the integers that change are: per line that
-    changes, the spans of its integer literals and what each is (an int, or an Affine)."""
+    changes, the spans of its integer literals and what each is (an int, or an Affine).
+
+    `compiled`: the forward compiled once, with each integer that changes read from a global of its
+    own (`names`: global -> Affine), so that a length's code is its source written (for tracebacks
+    and `gm.code`) and that compiled code run with the length's integers as globals, not Python
+    compiling every length's code anew (half of writing a length). None: each length is compiled."""
 
     code: WrittenCode
     lines: tuple[str, ...]
     sites: tuple[tuple[int, tuple[tuple[int, int], ...], tuple], ...]  # (line, spans, values)
+    compiled: bytes | None = None
+    names: tuple[tuple[str, Affine], ...] = ()
 
     @staticmethod
     def of(first: fx.GraphModule, args: dict) -> _CodeTemplate | None:
@@ -269,16 +278,47 @@ class _CodeTemplate:
             if len(values) != len(literals) or any(int(m.group()) != x for m, (x, _) in zip(literals, values)):
                 return None
             sites.append((i, tuple(m.span() for m in literals), tuple(f for _, f in values)))
-        return _CodeTemplate(code, tuple(lines), tuple(sites))
+        template = _CodeTemplate(code, tuple(lines), tuple(sites))
+        return replace(template, **template._compiled())
 
-    def at(self, length: int) -> WrittenCode:
+    def _compiled(self) -> dict:
+        """`compiled` and `names` for this template, or nothing where its globals' names are taken."""
+        if _LENGTH_GLOBAL.search(self.code.src) or any(_LENGTH_GLOBAL.match(k) for k in self.code.globals):
+            return {}
+        names = []
+
+        def name(value: Affine) -> str:
+            names.append((f"_hotswitch_int{len(names)}", value))
+            return names[-1][0]
+
+        module = compile(self._written(lambda value: name(value) if isinstance(value, Affine) else str(value)),
+                         "<hotswitch length template>", "exec")
+        forward = [c for c in module.co_consts if isinstance(c, types.CodeType) and c.co_name == "forward"]
+        if len(forward) != 1:
+            return {}
+        return {"compiled": marshal.dumps(forward[0]), "names": tuple(names)}
+
+    def _written(self, write) -> str:
+        """The source with each changing literal written by `write(its value)`."""
         lines = list(self.lines)
         for i, spans, values in self.sites:
             line = lines[i]
             for (start, end), value in reversed(list(zip(spans, values))):
-                line = line[:start] + str(_at(value, length)) + line[end:]
+                line = line[:start] + write(value) + line[end:]
             lines[i] = line
-        return replace(self.code, src="\n".join(lines))
+        return "\n".join(lines)
+
+    def at(self, length: int) -> WrittenCode:
+        src = self._written(lambda value: str(_at(value, length)))
+        if self.compiled is None:
+            return replace(self.code, src=src)
+        ints = {name: value.at(length) for name, value in self.names}
+        return replace(self.code, src=src, globals={**self.code.globals, **ints}, bytecode=self.compiled)
+
+
+# the globals a compiled template reads its integers from (a source that has the name already is
+# compiled at each length instead)
+_LENGTH_GLOBAL = re.compile(r"_hotswitch_int\d")
 
 
 @dataclass(frozen=True)

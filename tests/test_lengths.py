@@ -1,5 +1,6 @@
 """compiler.lengths: programs at new sequence lengths written from the fit of two (one process)."""
 
+import marshal
 from unittest import mock
 
 import pytest
@@ -35,7 +36,8 @@ def _programs(fn, lengths, shape=lambda n: (4, n, H)):
 
 def _written_from_the_template(fitted, length: int):
     """`fitted.at(length)`, checking that its code was the first program's with integers replaced
-    (fx wrote none) and is exactly the code fx writes for the program's graph."""
+    (fx wrote none), is exactly the code fx writes for the program's graph, and runs as the
+    template's code compiled once, the integers that change read from globals set to this length's."""
     written = []
     write = torch.fx.Graph.python_code
 
@@ -47,6 +49,11 @@ def _written_from_the_template(fitted, length: int):
         gm = fitted.at(length)
     assert fitted.code is not None and not written
     assert gm.code == write(gm.graph, "self").src
+    forward = type(gm).forward
+    assert fitted.code.names and {n for n, _ in fitted.code.names} <= set(forward.__code__.co_names)
+    assert all(forward.__globals__[n] == value.at(length) for n, value in fitted.code.names)
+    assert marshal.dumps(forward.__code__.replace(co_filename="")) == \
+        marshal.dumps(marshal.loads(fitted.code.compiled).replace(co_filename=""))
     return gm
 
 
