@@ -200,6 +200,24 @@ def test_tracing_pauses_the_garbage_collector_and_restores_it(monkeypatch):
         gc.enable()
 
 
+def test_a_trace_writes_code_only_for_the_graphs_it_keeps(monkeypatch):
+    """Export's passes and make_fx each wrote the Python code of a module nothing read (9 modules per
+    trace). They now build their modules without code (`compiler._torch.codeless_modules`), and the
+    graphs a LogicGraph keeps are plain GraphModules whose code, written once, is their graph's."""
+    written, write = [], torch.fx.Graph.python_code
+
+    def writing(graph, *args, **kwargs):
+        written.append(len(graph.nodes))
+        return write(graph, *args, **kwargs)
+
+    monkeypatch.setattr(torch.fx.Graph, "python_code", writing)
+    lg = trace(build_model("gpt-tiny", vocab_size=1001), (IDS, IDS))
+    assert 2 <= len(written) <= 3, written  # the joint, the forward (and export's own module)
+    for gm in (lg.joint, lg.forward):
+        assert all(c.__name__ != "_LazyGraphModule" for c in type(gm).__mro__)
+        assert gm.code == write(gm.graph, "self").src
+
+
 class _MeanSquaredError(torch.nn.Module):
     """A loss that is no division before decomposing (a mean): traced the two-pass way, unsplit."""
 
