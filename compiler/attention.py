@@ -22,7 +22,6 @@ At run time `fused_kernels` writes a lowered program's op pairs as torch's own f
 """
 from __future__ import annotations
 
-import copy
 import operator
 
 import torch
@@ -34,7 +33,8 @@ from hotswitch.kernels import attention as _kernel
 
 from . import _dtensor as dt
 from . import _torch
-from ._torch import map_args, meta_like
+from ._torch import copied_graph, map_args, meta_like
+from .garbage import collector_paused
 
 __all__ = ["ATTENTION_OPS", "MASKED_OPS", "AttentionWhole", "fused_kernels", "register"]
 
@@ -135,6 +135,7 @@ def register() -> None:
 
 # ------------------------------------------------------------------ at run time: torch's own kernels
 
+@collector_paused()  # a program's graph copied, edited and its code written (see compiler.garbage)
 def fused_kernels(gm: fx.GraphModule, device: torch.device, for_inductor: bool = False) -> fx.GraphModule:
     """`gm`, a lowered program about to run on `device`, with each `masked_attention` written as the
     fused kernel `scaled_dot_product_attention` picks for its local shapes there, and the op's
@@ -152,7 +153,7 @@ def fused_kernels(gm: fx.GraphModule, device: torch.device, for_inductor: bool =
     forwards = [n for n in gm.graph.nodes if n.target is MASKED_OPS[0]]
     if not forwards:
         return gm
-    graph = copy.deepcopy(gm.graph)
+    graph = copied_graph(gm.graph)
     forwards = [n for n in graph.nodes if n.target is MASKED_OPS[0]]
     backwards = {tuple(n.args[1:5]): n for n in graph.nodes if n.target is MASKED_OPS[1]}
     changed, choices = 0, {}

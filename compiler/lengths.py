@@ -343,7 +343,7 @@ class LengthFit:
                 leaves = iter([env[x] if isinstance(x, fx.Node) else _at(x, length) for x in fitted])
                 args, kwargs = fx.node.map_aggregate(resolved_arguments(node), lambda _: next(leaves))
                 new = add_node(graph, node.op, node.target, args, kwargs, name=node.name)
-                new.meta = dict(node.meta)
+                new.meta.update(node.meta)
             if node in self.vals:
                 try:
                     new.meta["val"] = _run_on_meta(new) if self.vals[node] is _RUN else _val_at(self.vals[node], length)

@@ -1055,7 +1055,9 @@ class _ProgramBuilder:
 
     @staticmethod
     def _annotate(node: fx.Node, val, source: fx.Node) -> fx.Node:
-        node.meta = {k: source.meta[k] for k in _SOURCE_META if k in source.meta}
+        meta = node.meta  # edited in place: assigning a node's attribute runs fx's lookups
+        meta.clear()
+        meta.update((k, source.meta[k]) for k in _SOURCE_META if k in source.meta)
         if val is not None:
             node.meta["val"] = meta_like(val)
         return node
