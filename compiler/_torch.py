@@ -20,10 +20,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, in sympy
 
 __all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen",
-           "codeless_modules", "copied_graph", "copy_node", "core_aten_decompositions", "detect_fake_mode",
-           "half_precision_math_attention", "inductor_compile", "inductor_default_cache_dir", "is_mutable",
-           "map_args", "meta_like", "module_with_code", "op_schema", "pytree", "renamed_strings", "sdpa_backend",
-           "size_hint", "symbolic_fake_mode", "symbols_of", "with_code", "written_code"]
+           "codeless_module", "codeless_modules", "copied_graph", "copy_node", "core_aten_decompositions",
+           "detect_fake_mode", "half_precision_math_attention", "inductor_compile", "inductor_default_cache_dir",
+           "is_mutable", "lists_codegen", "map_args", "meta_like", "module_with_code", "op_schema", "pytree",
+           "renamed_strings", "sdpa_backend", "size_hint", "symbolic_fake_mode", "symbols_of", "with_code",
+           "written_code"]
 
 OpOverload = torch._ops.OpOverload
 
@@ -128,6 +129,14 @@ def codeless_modules():
         yield
 
 
+def codeless_module(root, graph):
+    """`fx.GraphModule(root, graph)` without writing its code (a lazy module, as `codeless_modules`
+    makes them), for a graph built node by node and handed on to `with_code`."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    return _LazyGraphModule(root, graph)
+
+
 def with_code(gm):
     """`gm`, its graph edited, as a plain GraphModule whose code is its graph's: one built within
     `codeless_modules` becomes a GraphModule (its code written once, here), any other is recompiled.
@@ -181,6 +190,15 @@ def size_hint(value) -> int:
 def op_schema(target):
     """The schema of an aten op overload (arguments, their alias and mutation annotations)."""
     return target._schema
+
+
+def lists_codegen(arg_names: list[str], lengths: list[int], num_outputs: int):
+    """The code writer make_fx gives a function of lists returning a tuple (`fn(params, buffers,
+    inputs) -> (outputs...)`), for a graph built node by node whose placeholders are those lists'
+    items in order: its module is called as the traced one is."""
+    in_spec = pytree.tree_structure(tuple([0] * n for n in lengths))
+    out_spec = pytree.tree_structure(tuple([0] * num_outputs))
+    return torch.fx.graph._PyTreeCodeGen(torch.fx.graph._PyTreeInfo(list(arg_names), in_spec, out_spec))
 
 
 def codegen(graph, value=None):

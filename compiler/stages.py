@@ -38,7 +38,6 @@ inputs' (sequence parallelism finds the sequence dim of a received activation th
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass, field
 
 import sympy
@@ -51,6 +50,7 @@ from torch.utils.flop_counter import flop_registry
 from hotswitch.distconfig import balanced_split
 
 from ._torch import OpOverload, codeless_modules, detect_fake_mode, is_mutable, pytree, size_hint
+from .regions import block_of
 from .trace import (
     LogicGraph,
     _no_duck_sizing,
@@ -60,8 +60,6 @@ from .trace import (
 
 aten = torch.ops.aten
 
-# "layers.3.attn.q_proj" -> "layers.3"; "model.model.layers.0.mlp" -> "model.model.layers.0"
-_BLOCK = re.compile(r"^((?:[^.]+\.)*?\d+)(?=\.|$)")
 
 
 @dataclass
@@ -98,16 +96,6 @@ class StageSplit:
         """Parameters used by more than one stage (a tied embedding and LM head): each of those
         stages keeps a copy, and their gradients are summed across the copies (Megatron)."""
         return {n: s for n, s in self.param_stages.items() if len(s) > 1}
-
-
-def block_of(node: fx.Node) -> str | None:
-    """The repeated block (a ModuleList child) a node was traced in, or None."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    m = _BLOCK.match(path)
-    return m.group(1) if m else None
 
 
 def _flops(node: fx.Node) -> int:

@@ -43,6 +43,7 @@ from ._torch import (
 )
 from .attention import AttentionWhole
 from .garbage import collector_paused
+from .regions import stitched_joint
 from .signature import InputError, LossModule, ModelCall
 
 aten = torch.ops.aten
@@ -565,17 +566,20 @@ class _LossAsCoreOps(fx.Interpreter):
 
 def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.GraphModule:
     """The forward and backward as one graph: (params, buffers, inputs) -> (outputs..., grad per
-    param...), traced (like `_decompose`) with the forward's own fake values and shape environment."""
+    param...), traced (like `_decompose`) with the forward's own fake values and shape environment.
+    A model whose blocks repeat is traced one distinct region at a time and stitched
+    (`compiler.regions`); any other as one graph."""
     vals = [n.meta["val"] for n in fwd.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(vals)
+    trace_joint = functools.partial(_traced_joint, fake_mode=fake_mode)
+    stitched = stitched_joint(fwd, num_params, num_buffers, _run_forward, trace_joint, fake_mode)
+    if stitched is not None:
+        return tidy_joint(stitched, num_params + num_buffers)
     params, buffers = vals[:num_params], vals[num_params:num_params + num_buffers]
     inputs = vals[num_params + num_buffers:]
 
     def joint(params, buffers, inputs):
-        # An Interpreter under preserve_node_meta hands each forward node's source line and module
-        # path on to the joint graph (error messages and per-block collective counts use them).
-        with fx_traceback.preserve_node_meta():
-            outs = _LossAsCoreOps(fwd).run(*params, *buffers, *inputs)
+        outs = _run_forward(fwd, fwd.graph, [*params, *buffers, *inputs])
         target = outs[0]
         grads = torch.autograd.grad(target, params, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
@@ -583,16 +587,30 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.Gr
 
     with fake_mode:
         p = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in params]
+    return tidy_joint(trace_joint(joint, p, list(buffers), list(inputs)), num_params + num_buffers)
+
+
+def _run_forward(gm: fx.GraphModule, graph: fx.Graph, args: list):
+    """`graph` (`gm`'s, or one reading `gm`'s attributes) run on `args` as a joint graph's forward:
+    an Interpreter under preserve_node_meta hands each forward node's source line and module path on
+    to the joint graph (error messages and per-block collective counts use them), a cross-entropy
+    decomposed above autograd (`_LossAsCoreOps`)."""
+    with fx_traceback.preserve_node_meta():
+        return _LossAsCoreOps(gm, graph=graph).run(*args)
+
+
+def _traced_joint(fn, *args, fake_mode) -> fx.GraphModule:
+    """`fn(*args)` (a forward and its backward) traced into a graph of core ATen ops in `fake_mode`,
+    attention in its math form. A sharded program may not mutate (an in-place write into a view
+    would land in a redistributed copy): a graph that does is traced once more, functionalized."""
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), half_precision_math_attention(), \
             fake_mode, codeless_modules():  # tidy_joint writes the joint's code once, at its end
-        trace_joint = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="fake")
-        gm = trace_joint(p, list(buffers), list(inputs))
+        gm = make_fx(fn, decomposition_table=decomposition_table(), tracing_mode="fake")(*args)
         if any(is_mutable(n.target) for n in gm.graph.nodes):
-            # A sharded program may not mutate (an in-place write into a view would land in a
-            # redistributed copy): trace the joint graph once more, functionalized.
             functional = torch.func.functionalize(gm, remove="mutations")
-            gm = make_fx(functional, tracing_mode="fake")([x.detach() for x in p], list(buffers), list(inputs))
-    return tidy_joint(gm, num_params + num_buffers)
+            plain = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, args)
+            gm = make_fx(functional, tracing_mode="fake")(*plain)
+    return gm
 
 
 def tidy_joint(gm: fx.GraphModule, num_static: int) -> fx.GraphModule:

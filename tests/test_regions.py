@@ -1,0 +1,108 @@
+"""The joint graph stitched from regions (`compiler.regions`), single process: each distinct repeated
+block traced once, and the stitched graph the one the whole-graph trace gives."""
+from collections import Counter
+
+import pytest
+import torch
+
+import hotswitch.compiler.regions as R
+import hotswitch.compiler.trace as T
+from hotswitch.compiler.regions import block_of
+from hotswitch.models import PackedCausalLMLoss, build_hf_model, build_model
+from hotswitch.train.data import full_length_micro_batch
+
+IDS = torch.randint(0, 1001, (3, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _case(which: str):
+    torch.manual_seed(0)
+    if which == "llama":  # 4 blocks, packed rows (a document mask, positions): what the Trainer compiles
+        return PackedCausalLMLoss(build_hf_model("llama", num_hidden_layers=4).model), full_length_micro_batch(2, 16)
+    if which == "gpt2":  # the LM head tied to the token embedding: its gradient sums two regions' parts
+        return build_hf_model("gpt2", n_layer=3), (IDS, IDS)
+    return build_model("gpt-tiny", vocab_size=1001, n_layers=3), (IDS, IDS)
+
+
+def _traces(which: str, monkeypatch):
+    """The model traced twice: stitched from regions (counting the regions traced) and as one graph."""
+    model, inputs = _case(which)
+    traced, trace_region = [], R._trace_region
+    monkeypatch.setattr(R, "_trace_region", lambda fwd, region, *a: traced.append(region.block) or
+                        trace_region(fwd, region, *a))
+    stitched = T.trace(model, inputs)
+    monkeypatch.setattr(T, "stitched_joint", lambda *a: None)
+    whole = T.trace(model, inputs)
+    state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    args = ([state[n].detach() for n in stitched.param_names], [state[n].detach() for n in stitched.buffer_names],
+            list(stitched.call.flatten_example(inputs)))
+    return stitched, whole, traced, args
+
+
+@pytest.mark.parametrize("which", ["llama", "gpt2", "ours"])
+def test_a_repeated_block_is_traced_once_and_the_stitched_graph_is_the_whole_ones(which, monkeypatch):
+    stitched, whole, traced, args = _traces(which, monkeypatch)
+    blocks = sorted({block_of(n) for n in whole.forward.graph.nodes} - {None})
+    assert len(blocks) >= 3
+    # the blocks' first copy, and the regions before and after them
+    assert sum(b is not None for b in traced) == 1 and len(traced) == 3, traced
+    assert stitched.param_names == whole.param_names
+    got, expected = stitched.joint(*args), whole.joint(*args)
+    assert len(got) == len(expected) == 2 + len(whole.param_names)
+    for name, a, b in zip(["num", "den", *whole.param_names], got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=name)
+    # the same ops, op for op; the stitched graph reads each size once per region, so it has fewer
+    # size nodes, and CSE merges the zero fills of the blocks' backward that then read the same sizes
+    ops = lambda lg: Counter(n.target for n in lg.joint.graph.nodes  # noqa: E731
+                             if isinstance(n.target, torch._ops.OpOverload)
+                             and n.target not in (torch.ops.aten.sym_size.int, torch.ops.aten.full.default))
+    assert ops(stitched) == ops(whole)
+
+
+def test_each_copied_block_carries_its_own_module_path(monkeypatch):
+    """Pipeline stages and per-block collective counts read a node's block off its module path: a
+    block's copy names its own, in the forward graph as in the whole-graph trace."""
+    stitched, whole, _, _ = _traces("llama", monkeypatch)
+
+    def per_block(lg):  # block -> its ops (sizes aside: the whole-graph trace reads them more often)
+        ops: dict = {}
+        for n in lg.forward.graph.nodes:
+            if isinstance(n.target, torch._ops.OpOverload) and n.target is not torch.ops.aten.sym_size.int:
+                ops.setdefault(block_of(n), Counter())[n.target] += 1
+        return ops
+
+    ops = per_block(stitched)
+    assert [b for b in ops if b is not None] == [f"model.model.layers.{k}" for k in range(4)]
+    assert ops == per_block(whole)
+    assert ops["model.model.layers.1"] == ops["model.model.layers.3"]  # the first block shares CSE'd values
+    # the module path as a whole, not only its block: each attention op names its own attention module
+    paths = [list(n.meta["nn_module_stack"].values())[-1][0] for n in stitched.forward.graph.nodes
+             if n.target is torch.ops.hotswitch.masked_attention.default]
+    assert paths == [f"model.model.layers.{k}.self_attn" for k in range(4)]
+
+
+def test_a_model_without_repeated_blocks_is_traced_as_one_graph(monkeypatch):
+    """Nothing to reuse: no region is traced on its own (the whole-graph trace, as before)."""
+    traced, trace_region = [], R._trace_region
+    monkeypatch.setattr(R, "_trace_region", lambda *a: traced.append(1) or trace_region(*a))
+
+    class TwoLinears(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+        def forward(self, x, y):
+            return ((self.b(torch.relu(self.a(x))) - y) ** 2).mean()
+
+    lg = T.trace(TwoLinears(), (torch.randn(3, 5, 8), torch.randn(3, 5, 8)))
+    assert traced == [] and len(lg.param_names) == 4
+
+
+def test_regions_cut_at_block_boundaries():
+    """Runs of one block's nodes; a node of no block inside a block's run (a size read mid-block)
+    stays in it, so one block is one region."""
+    model, inputs = _case("llama")
+    lg = T.trace(model, inputs)
+    regions = R.regions_of(lg.forward.graph)
+    assert [r.block for r in regions] == [None, *[f"model.model.layers.{k}" for k in range(4)], None]
+    for before, after in zip(regions, regions[1:]):
+        assert set(after.inputs) & set(before.outputs)  # the residual stream crosses every boundary
