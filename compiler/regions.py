@@ -282,6 +282,8 @@ def stitched_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int, run: 
     shapes = [_ops(r) for r in regions]
     if len(set(shapes)) == len(shapes):
         return None
+    if not all(isinstance(n.meta.get("val"), (torch.Tensor, torch.SymInt)) for r in regions for n in r.inputs):
+        return None  # a tuple (a multi-output op's result) crossing a boundary: traced as one graph
     placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
     params = placeholders[:num_params]
     out_node = next(n for n in fwd.graph.nodes if n.op == "output")

@@ -572,7 +572,12 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.Gr
     vals = [n.meta["val"] for n in fwd.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(vals)
     trace_joint = functools.partial(_traced_joint, fake_mode=fake_mode)
-    stitched = stitched_joint(fwd, num_params, num_buffers, _run_forward, trace_joint, fake_mode)
+    try:
+        stitched = stitched_joint(fwd, num_params, num_buffers, _run_forward, trace_joint, fake_mode)
+    except Exception as e:  # noqa: BLE001 - an optimization: the whole graph is traced instead
+        warnings.warn(f"hotswitch: tracing the model one region at a time failed ({type(e).__name__}: "
+                      f"{str(e)[:200]}); it is traced as one graph (slower)", stacklevel=2)
+        stitched = None
     if stitched is not None:
         return tidy_joint(stitched, num_params + num_buffers)
     params, buffers = vals[:num_params], vals[num_params:num_params + num_buffers]
