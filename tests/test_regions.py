@@ -106,3 +106,17 @@ def test_regions_cut_at_block_boundaries():
     assert [r.block for r in regions] == [None, *[f"model.model.layers.{k}" for k in range(4)], None]
     for before, after in zip(regions, regions[1:]):
         assert set(after.inputs) & set(before.outputs)  # the residual stream crosses every boundary
+
+
+def test_a_region_that_does_not_trace_on_its_own_falls_back_to_the_whole_graph(monkeypatch):
+    """Tracing by regions is an optimization: if a region fails, the compile warns and traces the
+    whole graph, which gives the same LogicGraph."""
+    def fails(*args):
+        raise RuntimeError("a region this test cannot trace")
+
+    monkeypatch.setattr(R, "_trace_region", fails)
+    model, inputs = _case("ours")
+    with pytest.warns(UserWarning, match="one region at a time failed .*a region this test cannot trace"):
+        lg = T.trace(model, inputs)
+    monkeypatch.setattr(T, "stitched_joint", lambda *a: None)
+    assert lg.joint.code == T.trace(model, inputs).joint.code
