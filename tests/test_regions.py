@@ -16,33 +16,39 @@ IDS = torch.randint(0, 1001, (3, 16), generator=torch.Generator().manual_seed(0)
 
 def _case(which: str):
     torch.manual_seed(0)
-    if which == "llama":  # 4 blocks, packed rows (a document mask, positions): what the Trainer compiles
-        return PackedCausalLMLoss(build_hf_model("llama", num_hidden_layers=4).model), full_length_micro_batch(2, 16)
+    if which == "llama":  # 3 blocks, packed rows (a document mask, positions): what the Trainer compiles
+        return PackedCausalLMLoss(build_hf_model("llama", num_hidden_layers=3).model), full_length_micro_batch(2, 16)
     if which == "gpt2":  # the LM head tied to the token embedding: its gradient sums two regions' parts
         return build_hf_model("gpt2", n_layer=3), (IDS, IDS)
     return build_model("gpt-tiny", vocab_size=1001, n_layers=3), (IDS, IDS)
 
 
-def _traces(which: str, monkeypatch):
-    """The model traced twice: stitched from regions (counting the regions traced) and as one graph."""
-    model, inputs = _case(which)
-    traced, trace_region = [], R._trace_region
-    monkeypatch.setattr(R, "_trace_region", lambda fwd, region, *a: traced.append(region.block) or
-                        trace_region(fwd, region, *a))
-    stitched = T.trace(model, inputs)
-    monkeypatch.setattr(T, "stitched_joint", lambda *a: None)
-    whole = T.trace(model, inputs)
-    state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
-    args = ([state[n].detach() for n in stitched.param_names], [state[n].detach() for n in stitched.buffer_names],
-            list(stitched.call.flatten_example(inputs)))
-    return stitched, whole, traced, args
+@pytest.fixture(scope="module")
+def traces():
+    """which -> the model traced twice, stitched from regions (and which regions were traced on their
+    own) and as one graph, with the model's parameters, buffers and inputs to run the graphs on."""
+    out = {}
+    for which in ("llama", "gpt2", "ours"):
+        model, inputs = _case(which)
+        traced, trace_region = [], R._trace_region
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(R, "_trace_region", lambda fwd, region, *a: traced.append(region.block) or  # noqa: B023
+                       trace_region(fwd, region, *a))
+            stitched = T.trace(model, inputs)
+            mp.setattr(T, "stitched_joint", lambda *a: None)
+            whole = T.trace(model, inputs)
+        state = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+        args = ([state[n].detach() for n in stitched.param_names],
+                [state[n].detach() for n in stitched.buffer_names], list(stitched.call.flatten_example(inputs)))
+        out[which] = stitched, whole, traced, args, (model, inputs)
+    return out
 
 
 @pytest.mark.parametrize("which", ["llama", "gpt2", "ours"])
-def test_a_repeated_block_is_traced_once_and_the_stitched_graph_is_the_whole_ones(which, monkeypatch):
-    stitched, whole, traced, args = _traces(which, monkeypatch)
+def test_a_repeated_block_is_traced_once_and_the_stitched_graph_is_the_whole_ones(which, traces):
+    stitched, whole, traced, args, _ = traces[which]
     blocks = sorted({block_of(n) for n in whole.forward.graph.nodes} - {None})
-    assert len(blocks) >= 3
+    assert len(blocks) == 3
     # the blocks' first copy, and the regions before and after them
     assert sum(b is not None for b in traced) == 1 and len(traced) == 3, traced
     assert stitched.param_names == whole.param_names
@@ -58,10 +64,10 @@ def test_a_repeated_block_is_traced_once_and_the_stitched_graph_is_the_whole_one
     assert ops(stitched) == ops(whole)
 
 
-def test_each_copied_block_carries_its_own_module_path(monkeypatch):
+def test_each_copied_block_carries_its_own_module_path(traces):
     """Pipeline stages and per-block collective counts read a node's block off its module path: a
     block's copy names its own, in the forward graph as in the whole-graph trace."""
-    stitched, whole, _, _ = _traces("llama", monkeypatch)
+    stitched, whole, *_ = traces["llama"]
 
     def per_block(lg):  # block -> its ops (sizes aside: the whole-graph trace reads them more often)
         ops: dict = {}
@@ -71,13 +77,13 @@ def test_each_copied_block_carries_its_own_module_path(monkeypatch):
         return ops
 
     ops = per_block(stitched)
-    assert [b for b in ops if b is not None] == [f"model.model.layers.{k}" for k in range(4)]
+    assert [b for b in ops if b is not None] == [f"model.model.layers.{k}" for k in range(3)]
     assert ops == per_block(whole)
-    assert ops["model.model.layers.1"] == ops["model.model.layers.3"]  # the first block shares CSE'd values
+    assert ops["model.model.layers.1"] == ops["model.model.layers.2"]  # the first block shares CSE'd values
     # the module path as a whole, not only its block: each attention op names its own attention module
     paths = [list(n.meta["nn_module_stack"].values())[-1][0] for n in stitched.forward.graph.nodes
              if n.target is torch.ops.hotswitch.masked_attention.default]
-    assert paths == [f"model.model.layers.{k}.self_attn" for k in range(4)]
+    assert paths == [f"model.model.layers.{k}.self_attn" for k in range(3)]
 
 
 def test_a_model_without_repeated_blocks_is_traced_as_one_graph(monkeypatch):
@@ -97,26 +103,23 @@ def test_a_model_without_repeated_blocks_is_traced_as_one_graph(monkeypatch):
     assert traced == [] and len(lg.param_names) == 4
 
 
-def test_regions_cut_at_block_boundaries():
+def test_regions_cut_at_block_boundaries(traces):
     """Runs of one block's nodes; a node of no block inside a block's run (a size read mid-block)
     stays in it, so one block is one region."""
-    model, inputs = _case("llama")
-    lg = T.trace(model, inputs)
-    regions = R.regions_of(lg.forward.graph)
-    assert [r.block for r in regions] == [None, *[f"model.model.layers.{k}" for k in range(4)], None]
+    regions = R.regions_of(traces["llama"][0].forward.graph)
+    assert [r.block for r in regions] == [None, *[f"model.model.layers.{k}" for k in range(3)], None]
     for before, after in zip(regions, regions[1:]):
         assert set(after.inputs) & set(before.outputs)  # the residual stream crosses every boundary
 
 
-def test_a_region_that_does_not_trace_on_its_own_falls_back_to_the_whole_graph(monkeypatch):
+def test_a_region_that_does_not_trace_on_its_own_falls_back_to_the_whole_graph(traces, monkeypatch):
     """Tracing by regions is an optimization: if a region fails, the compile warns and traces the
     whole graph, which gives the same LogicGraph."""
     def fails(*args):
         raise RuntimeError("a region this test cannot trace")
 
     monkeypatch.setattr(R, "_trace_region", fails)
-    model, inputs = _case("ours")
+    _, whole, _, _, (model, inputs) = traces["ours"]
     with pytest.warns(UserWarning, match="one region at a time failed .*a region this test cannot trace"):
         lg = T.trace(model, inputs)
-    monkeypatch.setattr(T, "stitched_joint", lambda *a: None)
-    assert lg.joint.code == T.trace(model, inputs).joint.code
+    assert lg.joint.code == whole.joint.code
