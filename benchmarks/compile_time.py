@@ -63,6 +63,9 @@ def measure(rank: int, layers: int, config_names: tuple[str, ...], lengths: int)
     later: dict[str, list[float]] = {c: [] for c in config_names}
     for c in config_names:
         for k in range(1, lengths):
+            # every rank starts each length together: a rank timed while another still lowers the
+            # previous length (for both, as dp ranks share programs) would count that one's work
+            dist.barrier()
             t = time.perf_counter()
             cm.exec_graph(c, ((4, 64 * (k + 1)),) * 3)
             later[c].append(time.perf_counter() - t)
