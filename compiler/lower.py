@@ -22,7 +22,7 @@ import copy
 import operator
 import warnings
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -328,11 +328,15 @@ def propagate_graph(graph: fx.Graph, mesh: dt.DeviceMesh, placeholder_specs: lis
 
 def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_symbol, pinned_nodes, strict,
                      keep_partial, decided=None):
+    earlier: dict[fx.Node, Decision] = {}
     if keep_partial is None:
         first = propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, cp_axis=cp_axis,
                                 seq_symbol=seq_symbol, pinned_nodes=pinned_nodes, strict=strict, keep_partial=set())
         partial = {n for n, d in first.decisions.items() if d.kind == "op" and _has_partial(d.out_spec)}
         keep_partial = _partials_to_keep(graph, partial)
+        # the policy's second pass: an op whose inputs arrive as they did in the first pass is decided
+        # as it was then (only what the kept partials reach is decided again)
+        earlier = first.decisions
     replayed, searched = 0, []
     decisions: dict[fx.Node, Decision] = {}
     specs: dict[fx.Node, Any] = {}
@@ -346,12 +350,14 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
         if node.op == "output":
             break
         d = _replay(node, decided.ops.get(node.name), mesh, specs, values) if decided is not None else None
-        if d is None:
-            d = _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded=cp_axis is not None)
+        if d is not None:
+            replayed += 1
+        else:
+            d = _as_before(earlier[node], specs) if node in earlier else None
+            if d is None:
+                d = _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded=cp_axis is not None)
             if d.replayable and d.kind == "op" and _encoded(d) is not None:
                 searched.append(node.name)
-        else:
-            replayed += 1
         if d.kind == "op" and _has_partial(d.out_spec) and node not in keep_partial:
             scatter = sp_axis is not None and _from_param_op(node, pinned_nodes)
             d.reduce_to = _reduction_target(d.out_spec, node, sp_axis if scatter else None, seq_symbol, cp_axis)
@@ -366,6 +372,19 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
     out = next(n for n in graph.nodes if n.op == "output")
     return GraphSharding(decisions, [specs[a] for a in pytree.tree_leaves(out.args[0])], frozenset(keep_partial),
                          replayed, tuple(searched))
+
+
+def _as_before(d: Decision, specs: dict) -> Decision | None:
+    """The first pass's decision `d` for an op whose inputs now arrive in the same specs, its output's
+    reduction left to decide; None when an input changed (or for anything but an op). The first
+    pass's decisions are dropped after the second, so a _MaskPartial stays one object per use."""
+    if d.kind != "op":
+        return None
+    for n, before in zip(d.tensor_nodes, d.in_specs):
+        now = specs[n]
+        if now is not before and now != before:
+            return None
+    return replace(d, reduce_to=None)
 
 
 def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:

@@ -223,6 +223,63 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
         del os.environ["HOTSWITCH_CACHE"]
 
 
+def second_pass_equals_deciding_again(kind: str, configs) -> list[tuple[str | None, int]]:
+    """Compile `configs` with each placement search run twice: as `propagate_graph` runs it (its
+    second pass reuses the first pass's decision for every op whose inputs arrive as they did) and
+    with every op of the second pass decided again. Per search, in order: the first difference (None:
+    the same decisions, specs, reductions and arguments for every node) and the decisions reused."""
+    import hotswitch.compiler.lower as lower
+    import hotswitch.compiler.program as program
+
+    found: list[tuple[str | None, int]] = []
+    original, reuse = program.propagate_graph, lower._as_before
+
+    def counted(d, specs):
+        out = reuse(d, specs)
+        reused[0] += out is not None
+        return out
+
+    def both(*args, **kwargs):
+        reused[0] = 0
+        lower._as_before = counted
+        try:
+            got = original(*args, **kwargs)
+        finally:
+            lower._as_before = reuse
+        if kwargs.get("decided") is None:  # a search (a replay has no second pass)
+            lower._as_before = lambda d, specs: None
+            try:
+                again = original(*args, **kwargs)
+            finally:
+                lower._as_before = reuse
+            found.append((_first_difference(got, again), reused[0]))
+        return got
+
+    reused = [0]
+
+    os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered here, none loaded
+    program.propagate_graph = both
+    try:
+        hs.compile(make_model(kind), batch(), configs=list(configs))
+        return found
+    finally:
+        program.propagate_graph = original
+        del os.environ["HOTSWITCH_CACHE"]
+
+
+def _first_difference(a, b) -> str | None:
+    if a.keep_partial != b.keep_partial or a.output_specs != b.output_specs:
+        return "kept partials or output specs"
+    fields = ("kind", "value", "tensor_nodes", "in_specs", "want_specs", "args", "kwargs", "out_spec", "reduce_to",
+              "replayable")
+    for node, d in a.decisions.items():
+        e = b.decisions[node]
+        for f in fields:
+            if getattr(d, f) != getattr(e, f):
+                return f"{node.name}.{f}: {getattr(d, f)!r} != {getattr(e, f)!r}"
+    return None if a.decisions.keys() == b.decisions.keys() else "nodes"
+
+
 def eager_vs_inductor(kind: str, config: str, micro_batches: int = 1, rows: int | None = None, tol: float = 1e-5,
                       **overrides) -> dict:
     """Compile `kind` under `config` with both backends, run one step of the same batch, and compare

@@ -10,7 +10,15 @@ from torch import nn
 import hotswitch as hs
 from hotswitch.compiler.lower import ShardingError
 from hotswitch.models import GPT, GPTConfig
-from tests.compile_checks import assert_equivalent, batch, lowering_equals_make_fx, make_model, reference, rel_err
+from tests.compile_checks import (
+    assert_equivalent,
+    batch,
+    lowering_equals_make_fx,
+    make_model,
+    reference,
+    rel_err,
+    second_pass_equals_deciding_again,
+)
 from tests.distributed import dist_fixture
 
 pytestmark = pytest.mark.slow  # spawns gloo processes and compiles; `-m 'not slow'` leaves it out
@@ -271,8 +279,17 @@ def check_lowering_equals_make_fx():
             "gpt2": lowering_equals_make_fx("gpt2", [hs.DistConfig("tp2", tp=2)])}
 
 
-results = dist_fixture(2, [check_lowering_equals_make_fx, check_gpt_equivalence, check_llama_equivalence,
-                           check_gpt2_equivalence, check_learned_positions_with_a_tied_embedding,
+def check_second_pass_reuses_unchanged_decisions():
+    """The partial policy's second pass takes the first pass's decision for an op whose inputs arrive
+    as they did, and that equals deciding it again: sequence parallelism (partials reduce-scattered),
+    and GPT-2's vocab-parallel embedding tied to its head (a _MaskPartial)."""
+    return {"llama": second_pass_equals_deciding_again("llama", [hs.DistConfig("tp2sp", tp=2, sp=True)]),
+            "gpt2": second_pass_equals_deciding_again("gpt2", [hs.DistConfig("tp2", tp=2)])}
+
+
+results = dist_fixture(2, [check_second_pass_reuses_unchanged_decisions, check_lowering_equals_make_fx,
+                           check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
+                           check_learned_positions_with_a_tied_embedding,
                            check_a_warm_cache_replays_decisions, check_a_warm_cache_fits_later_lengths,
                            check_gradient_buckets_reduce_behind_the_backward,
                            check_waits_sit_where_results_are_read, check_wrong_device_count,
@@ -390,3 +407,13 @@ def test_lowering_builds_the_program_make_fx_would_trace(results):
             expected = 3 if model == "gpt" else 1  # tp2sp's program, this rank's pp2 stage, dp2's program
             assert len(differences) >= expected, (model, "programs lowered:", len(differences))
             assert differences == [None] * len(differences), (model, differences)
+
+
+def test_the_second_pass_reuses_unchanged_decisions(results):
+    ranks = results["check_second_pass_reuses_unchanged_decisions"].raise_if_failed()
+    for model in ("llama", "gpt2"):
+        # one rank searches for the job, the other replays what it published (no second pass)
+        searches = [search for rank in ranks for search in rank[model]]
+        assert len(searches) >= 1, (model, "searches:", len(searches))
+        assert [difference for difference, _ in searches] == [None] * len(searches), (model, searches)
+        assert all(reused > 100 for _, reused in searches), (model, searches)  # most ops, not none
