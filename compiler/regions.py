@@ -269,15 +269,20 @@ def _renamed(stack: dict, old: str, new: str) -> dict:
     return out
 
 
-def stitched_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int, run: Callable, trace: Callable,
-                   fake_mode) -> fx.GraphModule | None:
-    """The joint graph of `fwd` ((params, buffers, inputs) -> (loss, more outputs...)) stitched from
-    its regions' traces: (params, buffers, inputs) -> (outputs..., grad per param...), called and
-    named as the whole-graph trace is. None when no region's structure repeats (nothing to reuse).
+def stitched_joint(fwd: fx.GraphModule, *, groups: tuple[tuple[str, int], ...], takes_grad: tuple[bool, ...],
+                   grads_of: tuple[int, ...], loss: int | None, seeded: tuple[int, ...], run: Callable,
+                   trace: Callable, fake_mode) -> fx.GraphModule | None:
+    """The joint graph of `fwd` stitched from its regions' traces, called and named as make_fx names
+    the whole-graph trace's: inputs are `fwd`'s placeholders, in `groups` (name, count: make_fx's
+    argument lists), then the gradients of the outputs at `seeded`, in one more group; outputs are
+    `fwd`'s, then the gradient of each placeholder at `grads_of` (zeros where it gets none). The
+    output at `loss` is differentiated with an implicit seed of one; placeholders where `takes_grad`
+    is set are the leaves gradients flow to. None when no region's structure repeats (nothing to
+    reuse) or a value that is not a tensor or a size crosses between regions.
 
     `run(module, graph, inputs)` runs a region's forward (`graph`, whose attributes are `module`'s)
-    as the whole-graph trace runs the forward; `trace(fn,
-    inputs, seeds)` traces `fn(inputs, seeds)` into a joint GraphModule (decomposed, functional)."""
+    as the whole-graph trace runs the forward; `trace(fn, inputs, seeds)` traces `fn(inputs, seeds)`
+    into a joint GraphModule (decomposed, functional)."""
     regions = regions_of(fwd.graph)
     shapes = [_ops(r) for r in regions]
     if len(set(shapes)) == len(shapes):
@@ -285,37 +290,39 @@ def stitched_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int, run: 
     if not all(isinstance(n.meta.get("val"), (torch.Tensor, torch.SymInt)) for r in regions for n in r.inputs):
         return None  # a tuple (a multi-output op's result) crossing a boundary: traced as one graph
     placeholders = [n for n in fwd.graph.nodes if n.op == "placeholder"]
-    params = placeholders[:num_params]
-    out_node = next(n for n in fwd.graph.nodes if n.op == "output")
-    results = list(out_node.args[0])
-    loss_node = results[0]
-    if not isinstance(loss_node, fx.Node) or loss_node.op == "placeholder":
+    results = list(next(n for n in fwd.graph.nodes if n.op == "output").args[0])
+    loss_node = results[loss] if loss is not None else None
+    if loss_node is not None and (not isinstance(loss_node, fx.Node) or loss_node.op == "placeholder"):
         return None
 
     # 1. each distinct region traced once, in the forward's order (whether an input takes a
     # gradient is known from the regions before it)
-    takes_grad = {p: _floating(p) for p in params}
+    needs_grad = dict(zip(placeholders, takes_grad))
     templates: dict[tuple, _Template] = {}
     plan: list[tuple[Region, _Template]] = []
     for region, shape in zip(regions, shapes):
-        needs = tuple(takes_grad.get(n, False) for n in region.inputs)
-        loss = region.outputs.index(loss_node) if loss_node in region.outputs else None
-        key = (shape, needs, loss)
+        needs = tuple(needs_grad.get(n, False) for n in region.inputs)
+        at = region.outputs.index(loss_node) if loss_node in region.outputs else None
+        key = (shape, needs, at)
         if key not in templates:
-            templates[key] = _trace_region(fwd, region, needs, loss, run, trace, fake_mode)
+            templates[key] = _trace_region(fwd, region, needs, at, run, trace, fake_mode)
         template = templates[key]
         plan.append((region, template))
-        takes_grad.update(zip(region.outputs, template.takes_grad))
+        needs_grad.update(zip(region.outputs, template.takes_grad))
 
     # 2. forward parts in order
     st = _Stitcher(fake_mode)
     env: dict[fx.Node, Any] = {}
-    num_inputs = len(placeholders) - num_params - num_buffers
-    groups = (("params", num_params), ("buffers", num_buffers), ("inputs", num_inputs))
     names = [f"{group}_{k + 1}" for group, n in groups for k in range(n)]
     for ph, name in zip(placeholders, names):
         env[ph] = st.graph.placeholder(name)
         env[ph].meta = dict(ph.meta)
+    seeds = []
+    for k, name in zip(seeded, names[len(placeholders):]):
+        seeds.append(st.graph.placeholder(name))
+        val = results[k].meta["val"]
+        with fake_mode:
+            seeds[-1].meta["val"] = torch.empty_like(val)
     copies: list[dict] = []
     for region, t in plan:
         tenv: dict[fx.Node, Any] = dict(zip(t.inputs, (env[n] for n in region.inputs)))
@@ -326,8 +333,11 @@ def stitched_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int, run: 
         copies.append(tenv)
     outputs = [env[r] if isinstance(r, fx.Node) else r for r in results]
 
-    # 3. backward parts in reverse, each seeded with what later regions gave its outputs
+    # 3. backward parts in reverse, each seeded with what later regions (or the caller) gave its outputs
     grads: dict[fx.Node, list] = defaultdict(list)
+    for k, seed in zip(seeded, seeds):
+        if needs_grad.get(results[k], False):
+            grads[results[k]].append(seed)
     for (region, t), tenv in zip(reversed(plan), reversed(copies)):
         for k, ph in t.seeds.items():
             parts = grads.pop(region.outputs[k], [])
@@ -336,9 +346,10 @@ def stitched_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int, run: 
             tenv[n] = st.copy(n, tenv, t, region.block)
         for i, g in t.grads.items():
             grads[region.inputs[i]].append(tenv[g])
-    param_grads = [st.add(grads[p]) if grads.get(p) else st.zeros(env[p]) for p in params]
-    st.graph.output((*outputs, *param_grads))
-    codegen(st.graph, lists_codegen([g for g, _ in groups], [n for _, n in groups], len(outputs) + len(params)))
+    wanted = [placeholders[i] for i in grads_of]
+    input_grads = [st.add(grads[p]) if grads.get(p) else st.zeros(env[p]) for p in wanted]
+    st.graph.output((*outputs, *input_grads))
+    codegen(st.graph, lists_codegen([g for g, _ in groups], [n for _, n in groups], len(outputs) + len(wanted)))
     root = torch.nn.Module()
     for name, value in st.attrs.items():
         setattr(root, name, value)

@@ -55,6 +55,7 @@ from .trace import (
     LogicGraph,
     _no_duck_sizing,
     decomposition_table,
+    stitched_or_none,
     tidy_joint,
 )
 
@@ -330,8 +331,7 @@ def stage_joint(logic: LogicGraph, stage: Stage) -> fx.GraphModule:
     is_last = stage.is_last
 
     def joint(params, buffers, inputs, acts, grads_out):
-        with fx_traceback.preserve_node_meta():
-            outs = fx.Interpreter(fwd).run(*params, *buffers, *inputs, *acts)
+        outs = _run_stage(fwd, fwd.graph, [*params, *buffers, *inputs, *acts])
         wrt = [t for t in list(params) + list(acts) if t.requires_grad]
         if is_last:
             targets, seeds = [outs[0]], None
@@ -352,20 +352,35 @@ def stage_joint(logic: LogicGraph, stage: Stage) -> fx.GraphModule:
         full = [torch.zeros_like(t) if g is None else g for t, g in zip(list(params) + list(acts), full)]
         return (*outs, *full)
 
-    with _no_duck_sizing(), codeless_modules():  # tidy_joint writes the joint's code once, at its end
-        gm = make_fx(joint, decomposition_table=decomposition_table(), tracing_mode="fake")(
-            params, list(buffers), list(inputs), acts, grads_out
-        )
-        if any(is_mutable(n.target) for n in gm.graph.nodes):
-            functional = torch.func.functionalize(gm, remove="mutations")
-            with fake_mode:
-                plain = [p.detach() for p in params]
-            gm = make_fx(functional, tracing_mode="fake")(
-                plain, list(buffers), list(inputs), [a.detach() for a in acts], grads_out
-            )
+    def trace(fn, *args):
+        with _no_duck_sizing(), codeless_modules():  # tidy_joint writes the joint's code once, at its end
+            gm = make_fx(fn, decomposition_table=decomposition_table(), tracing_mode="fake")(*args)
+            if any(is_mutable(n.target) for n in gm.graph.nodes):
+                functional = torch.func.functionalize(gm, remove="mutations")
+                plain = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, args)
+                gm = make_fx(functional, tracing_mode="fake")(*plain)
+        return gm
+
+    # the stage's blocks traced once per distinct block and stitched (`compiler.regions`), or whole
+    n_a = len(acts)
+    leaves = [*(p.requires_grad for p in params), *(False,) * (n_b + n_i), *(a.requires_grad for a in acts)]
+    sent_floating = [k for k, v in enumerate(sent) if v.is_floating_point()]
+    gm = stitched_or_none(
+        fwd, groups=(("params", n_p), ("buffers", n_b), ("inputs", n_i), ("acts", n_a), ("grads_out", len(grads_out))),
+        takes_grad=tuple(leaves), grads_of=(*range(n_p), *range(n_p + n_b + n_i, n_p + n_b + n_i + n_a)),
+        loss=0 if is_last else None, seeded=() if is_last else tuple(sent_floating), run=_run_stage, trace=trace,
+        fake_mode=fake_mode)
+    if gm is None:
+        gm = trace(joint, params, list(buffers), list(inputs), acts, grads_out)
     gm = tidy_joint(gm, n_p + n_b)
     stage.joint = gm
     return gm
+
+
+def _run_stage(gm: fx.GraphModule, graph: fx.Graph, args: list):
+    """A stage's (or one of its regions') forward, its nodes' source lines and module paths handed on."""
+    with fx_traceback.preserve_node_meta():
+        return fx.Interpreter(gm, graph=graph).run(*args)
 
 
 def split_forward_backward(gm: fx.GraphModule, num_seeds: int, forward_outputs: tuple[int, ...]):

@@ -572,16 +572,15 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.Gr
     vals = [n.meta["val"] for n in fwd.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(vals)
     trace_joint = functools.partial(_traced_joint, fake_mode=fake_mode)
-    try:
-        stitched = stitched_joint(fwd, num_params, num_buffers, _run_forward, trace_joint, fake_mode)
-    except Exception as e:  # noqa: BLE001 - an optimization: the whole graph is traced instead
-        warnings.warn(f"hotswitch: tracing the model one region at a time failed ({type(e).__name__}: "
-                      f"{str(e)[:200]}); it is traced as one graph (slower)", stacklevel=2)
-        stitched = None
-    if stitched is not None:
-        return tidy_joint(stitched, num_params + num_buffers)
     params, buffers = vals[:num_params], vals[num_params:num_params + num_buffers]
     inputs = vals[num_params + num_buffers:]
+    stitched = stitched_or_none(
+        fwd, groups=(("params", num_params), ("buffers", num_buffers), ("inputs", len(inputs))),
+        takes_grad=tuple(p.is_floating_point() for p in params) + (False,) * (len(vals) - num_params),
+        grads_of=tuple(range(num_params)), loss=0, seeded=(), run=_run_forward, trace=trace_joint,
+        fake_mode=fake_mode)
+    if stitched is not None:
+        return tidy_joint(stitched, num_params + num_buffers)
 
     def joint(params, buffers, inputs):
         outs = _run_forward(fwd, fwd.graph, [*params, *buffers, *inputs])
@@ -593,6 +592,17 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.Gr
     with fake_mode:
         p = [x.detach().clone().requires_grad_(x.is_floating_point()) for x in params]
     return tidy_joint(trace_joint(joint, p, list(buffers), list(inputs)), num_params + num_buffers)
+
+
+def stitched_or_none(fwd: fx.GraphModule, **how) -> fx.GraphModule | None:
+    """`regions.stitched_joint(fwd, **how)`, or None (with a warning) where a region fails to trace
+    on its own: tracing by regions is an optimization, and the caller traces the whole graph."""
+    try:
+        return stitched_joint(fwd, **how)
+    except Exception as e:  # noqa: BLE001 - the whole graph is traced instead
+        warnings.warn(f"hotswitch: tracing the model one region at a time failed ({type(e).__name__}: "
+                      f"{str(e)[:200]}); it is traced as one graph (slower)", stacklevel=3)
+        return None
 
 
 def _run_forward(gm: fx.GraphModule, graph: fx.Graph, args: list):
