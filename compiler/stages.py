@@ -37,6 +37,7 @@ inputs' (sequence parallelism finds the sequence dim of a received activation th
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -44,19 +45,18 @@ import sympy
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import flop_registry
 
 from hotswitch.distconfig import balanced_split
 
-from ._torch import OpOverload, codeless_modules, detect_fake_mode, is_mutable, pytree, size_hint
+from ._torch import OpOverload, detect_fake_mode, pytree, size_hint
 from .regions import block_of
 from .trace import (
     LogicGraph,
     _no_duck_sizing,
-    decomposition_table,
     stitched_or_none,
     tidy_joint,
+    traced_joint,
 )
 
 aten = torch.ops.aten
@@ -352,15 +352,7 @@ def stage_joint(logic: LogicGraph, stage: Stage) -> fx.GraphModule:
         full = [torch.zeros_like(t) if g is None else g for t, g in zip(list(params) + list(acts), full)]
         return (*outs, *full)
 
-    def trace(fn, *args):
-        with _no_duck_sizing(), codeless_modules():  # tidy_joint writes the joint's code once, at its end
-            gm = make_fx(fn, decomposition_table=decomposition_table(), tracing_mode="fake")(*args)
-            if any(is_mutable(n.target) for n in gm.graph.nodes):
-                functional = torch.func.functionalize(gm, remove="mutations")
-                plain = pytree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, args)
-                gm = make_fx(functional, tracing_mode="fake")(*plain)
-        return gm
-
+    trace = functools.partial(traced_joint, within=lambda: [_no_duck_sizing()])
     # the stage's blocks traced once per distinct block and stitched (`compiler.regions`), or whole
     n_a = len(acts)
     leaves = [*(p.requires_grad for p in params), *(False,) * (n_b + n_i), *(a.requires_grad for a in acts)]

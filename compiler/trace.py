@@ -17,6 +17,7 @@ makes uneven DP splits (and ignored labels) exact.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -24,6 +25,7 @@ import re
 import traceback
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
@@ -571,7 +573,10 @@ def _make_joint(fwd: fx.GraphModule, num_params: int, num_buffers: int) -> fx.Gr
     (`compiler.regions`); any other as one graph."""
     vals = [n.meta["val"] for n in fwd.graph.nodes if n.op == "placeholder"]
     fake_mode = detect_fake_mode(vals)
-    trace_joint = functools.partial(_traced_joint, fake_mode=fake_mode)
+    # the forward's own fake values and shape environment, attention in its math form
+    trace_joint = functools.partial(traced_joint, within=lambda: [
+        torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), half_precision_math_attention(),
+        fake_mode])
     params, buffers = vals[:num_params], vals[num_params:num_params + num_buffers]
     inputs = vals[num_params + num_buffers:]
     stitched = stitched_or_none(
@@ -614,12 +619,14 @@ def _run_forward(gm: fx.GraphModule, graph: fx.Graph, args: list):
         return _LossAsCoreOps(gm, graph=graph).run(*args)
 
 
-def _traced_joint(fn, *args, fake_mode) -> fx.GraphModule:
-    """`fn(*args)` (a forward and its backward) traced into a graph of core ATen ops in `fake_mode`,
-    attention in its math form. A sharded program may not mutate (an in-place write into a view
-    would land in a redistributed copy): a graph that does is traced once more, functionalized."""
-    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH), half_precision_math_attention(), \
-            fake_mode, codeless_modules():  # tidy_joint writes the joint's code once, at its end
+def traced_joint(fn, *args, within: Callable[[], list] = list) -> fx.GraphModule:
+    """`fn(*args)` (a forward and its backward) traced into a graph of core ATen ops, inside the
+    context managers `within()` makes. A sharded program may not mutate (an in-place write into a
+    view would land in a redistributed copy): a graph that does is traced once more, functionalized."""
+    with contextlib.ExitStack() as stack:
+        for context in within():
+            stack.enter_context(context)
+        stack.enter_context(codeless_modules())  # tidy_joint writes the joint's code once, at its end
         gm = make_fx(fn, decomposition_table=decomposition_table(), tracing_mode="fake")(*args)
         if any(is_mutable(n.target) for n in gm.graph.nodes):
             functional = torch.func.functionalize(gm, remove="mutations")
