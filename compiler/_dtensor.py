@@ -291,7 +291,7 @@ def propagate(op, args_schema: tuple, kwargs_schema: dict, pinned: frozenset[int
 
 def redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
     """Local-shard redistribution; under make_fx tracing it records functional collectives."""
-    gathered = _gather_even_strided(local, src, dst)
+    gathered = _gather_strided(local, src, dst)
     if gathered is not None:
         return gathered
     with _shard_to_shard_by_all_gather():
@@ -325,31 +325,76 @@ def _shard_to_shard_by_all_gather() -> Iterator[None]:
         _placement_types.shard_dim_alltoall = original
 
 
-def _gather_even_strided(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor | None:
-    """_StridedShard(d, sf) -> Replicate on one mesh dim, when sf x the mesh dim's size divides the
-    tensor dim: one all-gather and a transpose of the gathered blocks. (Heads sharded over tp and
-    then folded into the batch dim, [B, H, T, d] -> [B*H, T, d], are such shards.) DTensor's general
-    path rebuilds the order from per-rank index tensors, which costs 0.4 s per call to trace and
-    leaves an index_select in the graph. None when the case does not apply."""
+def _gather_strided(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor | None:
+    """_StridedShard(d, sf) -> Replicate (or -> Shard(e), e another dim no other mesh dim shards) on
+    one mesh dim: one all-gather, the gathered blocks put back in order (then this rank's chunk of
+    dim e). (Heads sharded over tp and then folded into the batch dim, [B, H, T, d] -> [B*H, T, d],
+    and sequence-parallel rows flattened with the batch are such shards.) When sf x the mesh dim's
+    size divides the tensor dim, the blocks are one transpose apart; otherwise (2 kv heads over 4
+    ranks) each rank's piece is padded to the largest, and the pieces' runs are cut out of the
+    gathered tensor and concatenated in order (`strided_runs`). DTensor's general path rebuilds the
+    order from per-rank index tensors, which costs 0.2-0.5 s per call to trace and leaves an
+    index_select in the graph. None when the case does not apply."""
     changed = [i for i, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b]
     if len(changed) != 1:
         return None
     i = changed[0]
-    placement = src.placements[i]
-    if not isinstance(placement, StridedShard) or not dst.placements[i].is_replicate():
+    placement, target = src.placements[i], dst.placements[i]
+    if not isinstance(placement, StridedShard):
         return None
     d = placement.dim
     if any(isinstance(p, (Shard, StridedShard)) and p.dim == d for j, p in enumerate(src.placements) if j != i):
         return None
+    if not target.is_replicate():
+        if type(target) is not Shard or target.dim == d or any(
+                isinstance(p, (Shard, StridedShard)) and p.dim == target.dim
+                for spec in (src, dst) for j, p in enumerate(spec.placements) if j != i):
+            return None
     n, sf, size = src.mesh.size(i), int(placement.split_factor), int(src.shape[d])
-    if size % (sf * n):
-        return None
     from torch.distributed import _functional_collectives as funcol
 
-    gathered = funcol.all_gather_tensor(local.contiguous(), gather_dim=d, group=(src.mesh, i))
-    shape = list(gathered.shape)
-    blocks = gathered.view(*shape[:d], n, sf, size // (sf * n), *shape[d + 1:])  # [rank, piece, chunk]
-    return blocks.transpose(d, d + 1).reshape(*shape[:d], size, *shape[d + 1:])
+    if size % (sf * n) == 0:
+        gathered = funcol.all_gather_tensor(local.contiguous(), gather_dim=d, group=(src.mesh, i))
+        shape = list(gathered.shape)
+        blocks = gathered.view(*shape[:d], n, sf, size // (sf * n), *shape[d + 1:])  # [rank, piece, chunk]
+        whole = blocks.transpose(d, d + 1).reshape(*shape[:d], size, *shape[d + 1:])
+    else:
+        runs = strided_runs(size, sf, n)
+        widest = max(sum(length for _, _, length in rank) for rank in runs)
+        if local.shape[d] < widest:
+            pad = [0, 0] * (local.dim() - 1 - d) + [0, widest - local.shape[d]]
+            local = torch.nn.functional.pad(local, pad)
+        gathered = funcol.all_gather_tensor(local.contiguous(), gather_dim=d, group=(src.mesh, i))
+        whole = strided_in_order(gathered, runs, widest, d)
+    if target.is_replicate():
+        return whole
+    return Shard._custom_chunk(whole, n, dim=target.dim)[src.mesh.get_local_rank(i)].contiguous()
+
+
+def strided_in_order(gathered: torch.Tensor, runs: list, widest: int, dim: int) -> torch.Tensor:
+    """The whole dim from every rank's piece (`strided_runs`), each padded to `widest` and gathered
+    in rank order along `dim`: the pieces' runs cut out and concatenated in global order."""
+    pieces = sorted((start, r * widest + offset, length) for r, rank in enumerate(runs)
+                    for start, offset, length in rank if length)
+    return torch.cat([gathered.narrow(dim, at, length) for _, at, length in pieces], dim=dim)
+
+
+def strided_runs(size: int, split_factor: int, ranks: int) -> list[list[tuple[int, int, int]]]:
+    """Where each rank's piece of a dim of `size` under _StridedShard(split_factor) over `ranks`
+    comes from: per rank, its runs (global start, offset in its piece, length) in its piece's order.
+    torch.chunk's semantics twice, as DTensor splits: the dim into `split_factor` pieces, each piece
+    into `ranks` chunks (fewer chunks than asked are empty), rank r holding every piece's chunk r."""
+    def chunks(start: int, length: int, k: int) -> list[tuple[int, int]]:
+        step = -(-length // k) if length else 0
+        return [(start + min(j * step, length), max(0, min(step, length - j * step))) for j in range(k)]
+
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(ranks)]
+    filled = [0] * ranks
+    for start, length in chunks(0, size, split_factor):
+        for r, (begin, width) in enumerate(chunks(start, length, ranks)):
+            runs[r].append((begin, filled[r], width))
+            filled[r] += width
+    return runs
 
 
 def local_shape(spec: DTensorSpec) -> tuple[int, ...]:

@@ -1,5 +1,7 @@
 """Compiled ExecGraphs on 4 gloo processes: equal to single-device training, Megatron's collectives."""
 
+import os
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from tests.compile_checks import (
     forward_collectives_per_block,
     lowering_equals_make_fx,
     make_model,
+    rel_err,
     replay_equals_fresh,
 )
 from tests.distributed import dist_fixture
@@ -131,7 +134,54 @@ def check_dp_ranks_lower_one_program():
     return out
 
 
-results = dist_fixture(4, [check_dp_ranks_lower_one_program, check_lowering_equals_make_fx_on_a_2d_mesh,
+def check_strided_gathers_equal_one_device():
+    """Rows of packed sequences flattened with a sequence-sharded length are _StridedShards: their
+    gathers run as one all-gather and the pieces put back in order (`_dtensor._gather_strided`). At
+    12 tokens each piece is even (to Replicate, and to Shard(1) of the hidden dim); at 18 tokens over
+    4 ranks the pieces are uneven (padded, then cut back). Loss and gradients equal one device's."""
+    import copy
+    from collections import Counter
+
+    import hotswitch.compiler._dtensor as D
+    from hotswitch.models import build_model
+    from hotswitch.train.data import full_length_micro_batch
+
+    taken, gather = Counter(), D._gather_strided
+
+    def counted(local, src, dst):
+        out = gather(local, src, dst)
+        if out is not None:
+            i = next(k for k, (a, b) in enumerate(zip(src.placements, dst.placements)) if a != b)
+            p = src.placements[i]
+            even = src.shape[p.dim] % (p.split_factor * src.mesh.size(i)) == 0
+            taken["even" if even else "uneven", "replicate" if dst.placements[i].is_replicate() else "shard"] += 1
+        return out
+
+    os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered here
+    D._gather_strided = counted
+    errors = {}
+    try:
+        for rows, length in ((5, 12), (3, 18)):
+            torch.manual_seed(0)
+            model = build_model("gpt-tiny")
+            ids, positions, labels = full_length_micro_batch(rows, length)
+            inputs = dict(input_ids=ids, labels=labels, position_ids=positions)  # packed rows
+            ref = copy.deepcopy(model)
+            loss_ref = ref(**inputs)
+            loss_ref.backward()
+            cm = hs.compile(model, inputs, configs=[hs.DistConfig("tp4sp", tp=4, sp=True)])
+            loss = cm.forward_backward(**cm.shard_inputs(**inputs))
+            grads = cm.full_grads()
+            errors[length] = (abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()),
+                              max(rel_err(grads[n], p.grad) for n, p in ref.named_parameters()))
+    finally:
+        D._gather_strided = gather
+        del os.environ["HOTSWITCH_CACHE"]
+    return errors, dict(taken)
+
+
+results = dist_fixture(4, [check_strided_gathers_equal_one_device, check_dp_ranks_lower_one_program,
+                           check_lowering_equals_make_fx_on_a_2d_mesh,
                            check_fitted_lengths_equal_a_replay,
                            check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
                            check_collectives_gpt, check_collectives_llama,
@@ -255,3 +305,10 @@ def test_inductor_dp_tp_sp_equals_eager_and_one_device(results):
     assert all(r["compiled"] == 1 for r in ranks), ranks  # one training-step program per rank
     # every rank's graph is its own (uneven rows; each names its own tp group): none waited for another
     assert all(r["waited"] == 0 for r in ranks), ranks
+
+
+def test_strided_gathers_equal_one_device(results):
+    for errors, taken in results["check_strided_gathers_equal_one_device"].raise_if_failed():
+        assert all(loss <= 1e-5 and grad <= 1e-5 for loss, grad in errors.values()), errors
+        assert set(taken) == {("even", "replicate"), ("even", "shard"), ("uneven", "replicate"),
+                              ("uneven", "shard")}, taken
