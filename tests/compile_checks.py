@@ -233,6 +233,7 @@ def second_pass_equals_deciding_again(kind: str, configs) -> list[tuple[str | No
 
     found: list[tuple[str | None, int]] = []
     original, reuse = program.propagate_graph, lower._as_before
+    reused = [0]  # decisions the search being run reused
 
     def counted(d, specs):
         out = reuse(d, specs)
@@ -254,8 +255,6 @@ def second_pass_equals_deciding_again(kind: str, configs) -> list[tuple[str | No
                 lower._as_before = reuse
             found.append((_first_difference(got, again), reused[0]))
         return got
-
-    reused = [0]
 
     os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered here, none loaded
     program.propagate_graph = both
