@@ -7,7 +7,8 @@ shard of the heads (when the mesh dim divides both head counts); or on a shard o
 mask's rows with them, keys and values whole, their gradients partial sums): the mask says where
 each query sits, so a sequence shard needs no offset. That last one is how context parallelism runs
 a causal model's attention, as DTensor runs the math decomposition (mask rows sliced, keys gathered).
-At run time `fused_kernels` writes a lowered program's op pairs as torch's own fused kernels.
+A lowered program's op pairs are written as torch's own fused kernels for the device it runs on
+(`fuse_attention`: when it is lowered, or at run time by `fused_kernels`).
 
 `document_attention` (and its backward), per mesh dim, runs
 
@@ -23,6 +24,7 @@ At run time `fused_kernels` writes a lowered program's op pairs as torch's own f
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -36,7 +38,8 @@ from . import _torch
 from ._torch import copied_graph, map_args, meta_like
 from .garbage import collector_paused
 
-__all__ = ["ATTENTION_OPS", "MASKED_OPS", "AttentionWhole", "fused_kernels", "register"]
+__all__ = ["ATTENTION_OPS", "MASKED_OPS", "AttentionWhole", "FusedSite", "fuse_attention", "fused_kernels",
+           "kernels_hold", "register"]
 
 aten = torch.ops.aten
 
@@ -138,22 +141,36 @@ def register() -> None:
 @collector_paused()  # a program's graph copied, edited and its code written (see compiler.garbage)
 def fused_kernels(gm: fx.GraphModule, device: torch.device, for_inductor: bool = False) -> fx.GraphModule:
     """`gm`, a lowered program about to run on `device`, with each `masked_attention` written as the
-    fused kernel `scaled_dot_product_attention` picks for its local shapes there, and the op's
-    backward, where the same graph holds it, as that kernel's own backward reading the forward's
-    output and logsumexp. The op's backward recomputes its forward under autograd (an op's
-    implementation keeps nothing but its inputs); here the forward's logsumexp is kept, as torch's own
-    SDPA autograd keeps it, and no Python runs between the kernels (Inductor sees torch's attention
-    ops, which it knows). Where SDPA would take its math path, the op stays. Done at run time, not when
-    lowering, because the kernel depends on the device and the concrete shapes, and a program cached
-    or fitted to other lengths must not carry one device's kernels. Returns `gm` when nothing changes.
+    fused kernel `scaled_dot_product_attention` picks for its local shapes there (`fuse_attention`),
+    on a copy of its graph: what the runner does for a program lowered without its kernels (a
+    pipeline stage's forward or backward, cut apart after lowering; one lowered for no runner). A
+    program lowered for the runner has them already (`lower.lower`), and so do the programs fitted
+    from it where they hold (`kernels_hold`). Returns `gm` when nothing changes."""
+    if not any(n.target is MASKED_OPS[0] for n in gm.graph.nodes):
+        return gm
+    graph = copied_graph(gm.graph)
+    if not fuse_attention(graph, device, for_inductor):
+        return gm
+    out = fx.GraphModule(gm, graph)
+    out.meta.update(gm.meta)
+    return out
+
+
+def fuse_attention(graph: fx.Graph, device: torch.device, for_inductor: bool = False, keep_meta: tuple = ()) -> int:
+    """Write each `masked_attention` of `graph` (in place) as the fused kernel SDPA picks for its
+    local shapes on `device`, and the op's backward, where the same graph holds it, as that kernel's
+    own backward reading the forward's output and logsumexp. The op's backward recomputes its forward
+    under autograd (an op's implementation keeps nothing but its inputs); here the forward's
+    logsumexp is kept, as torch's own SDPA autograd keeps it, and no Python runs between the kernels
+    (Inductor sees torch's attention ops, which it knows). Where SDPA would take its math path, the
+    op stays. The kernel depends on the device and the concrete shapes: each forward kernel's node
+    says what it was chosen from (`meta["sdpa"]`), for `kernels_hold` to check at another length.
+    `keep_meta`: the keys of an op's meta its kernels' nodes take (a program's source line, phase).
+    Returns how many forward ops were written.
 
     `for_inductor` on CUDA: fp32 attention keeps the op. Compiled by Inductor (torch 2.11, H100), an
     fp32 program with the memory-efficient kernel (fp32's only fused one) failed a later Triton
     launch with "CUDA driver error: invalid argument"; eager, and bf16 under Inductor, were exact."""
-    forwards = [n for n in gm.graph.nodes if n.target is MASKED_OPS[0]]
-    if not forwards:
-        return gm
-    graph = copied_graph(gm.graph)
     forwards = [n for n in graph.nodes if n.target is MASKED_OPS[0]]
     backwards = {tuple(n.args[1:5]): n for n in graph.nodes if n.target is MASKED_OPS[1]}
     changed, choices = 0, {}
@@ -163,12 +180,60 @@ def fused_kernels(gm: fx.GraphModule, device: torch.device, for_inductor: bool =
             backward = None
         if for_inductor and device.type == "cuda" and forward.args[0].meta["val"].dtype == torch.float32:
             continue
-        changed += _write_fused(graph, forward, backward, device, choices)
-    if not changed:
-        return gm
-    out = fx.GraphModule(gm, graph)
-    out.meta.update(gm.meta)
-    return out
+        changed += _write_fused(graph, forward, backward, device, choices, keep_meta)
+    return changed
+
+
+@dataclass(frozen=True)
+class FusedSite:
+    """What a fused attention kernel was chosen from (its forward node's `meta["sdpa"]`): the nodes
+    of q, k and the mask by name, the op's scale and causality, whether it trains, the device, and
+    the choice: SDPA's kernel, the causal kernel with the mask unread (`whole`), the mask padded to
+    8-aligned rows (the memory-efficient kernel's)."""
+
+    q: str
+    k: str
+    mask: str
+    scale: float
+    causal: bool
+    train: bool
+    device: str
+    backend: str
+    whole: bool
+    padded: bool
+
+
+def _choice(qv, kv, mv, causal: bool, scale: float, train: bool, device: torch.device, choices: dict) -> tuple:
+    """(SDPA's kernel, whole, padded) for meta values q, k, mask: what `_write_fused` writes."""
+    whole = causal and qv.shape[2] == kv.shape[2]  # every query here: the causal kernel, the mask unread
+    backend = _sdpa_backend(qv, kv, mv, whole, scale, train, device, choices)
+    return backend, whole, backend == "efficient" and not whole and kv.shape[2] % 8 != 0
+
+
+def _said(backend: str, whole: bool, padded: bool) -> str:
+    return f"{backend} kernel ({'causal' if whole else 'masked'}{', its mask padded' if padded else ''})"
+
+
+def kernels_hold(graph: fx.Graph) -> str | None:
+    """None when each fused attention kernel of `graph` (a program written at another length from a
+    fit, its nodes' values at this length) is still the one `fuse_attention` would write here, else
+    why not (SDPA picks another kernel here, or the mask needs other padding)."""
+    by_name, choices = None, {}
+    for node in graph.nodes:
+        site = node.meta.get("sdpa")
+        if site is None:
+            continue
+        by_name = by_name or {n.name: n for n in graph.nodes}
+        q, k = by_name[site.q].meta["val"], by_name[site.k].meta["val"]
+        mask = by_name[site.mask].meta["val"] if site.mask in by_name else None  # unread by a causal kernel
+        if mask is None and not (site.causal and q.shape[2] == k.shape[2]):
+            return (f"attention at {list(q.shape)} needs its mask here, which the causal kernel of the fitted "
+                    "lengths dropped")
+        now = _choice(q, k, mask, site.causal, site.scale, site.train, torch.device(site.device), choices)
+        if now != (site.backend, site.whole, site.padded):
+            return (f"attention at {list(q.shape)} takes SDPA's {_said(*now)} here, not the "
+                    f"{_said(site.backend, site.whole, site.padded)} of the fitted lengths")
+    return None
 
 
 # (forward, backward) aten ops per (device type, SDPA backend); `_write_fused` says what each takes
@@ -186,8 +251,10 @@ _KERNELS = {
 
 def _sdpa_backend(q, k, mask, whole: bool, scale: float, train: bool, device: torch.device, choices: dict) -> str:
     """SDPA's kernel for example inputs like the meta values q, k (keys repeated to q's heads) and
-    the mask, on `device`; asked once per distinct layout (the layers of a model share one)."""
-    key = tuple((tuple(t.shape), t.stride(), t.dtype) for t in (q, k, mask)) + (whole, scale, train)
+    the mask (None: `whole`, the causal kernel, which reads none), on `device`; asked once per
+    distinct layout (the layers of a model share one)."""
+    key = tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype) for t in (q, k, mask))
+    key += (whole, scale, train)
     if key not in choices:
         batch, heads, _, dim = q.shape
         keys = k.shape[2]
@@ -196,34 +263,39 @@ def _sdpa_backend(q, k, mask, whole: bool, scale: float, train: bool, device: to
             return torch.empty_strided(shape, stride, dtype=dtype, device=device).requires_grad_(train)
 
         k_example = example((batch, heads, keys, dim), (heads * keys * dim, keys * dim, dim, 1), k.dtype)
-        stored = [size if stride else 1 for size, stride in zip(mask.shape, mask.stride())]  # broadcast dims: 1
-        mask_example = None if whole else torch.zeros(stored, dtype=q.dtype, device=device).expand(mask.shape)
+        mask_example = None
+        if not whole:
+            stored = [size if stride else 1 for size, stride in zip(mask.shape, mask.stride())]  # broadcast dims: 1
+            mask_example = torch.zeros(stored, dtype=q.dtype, device=device).expand(mask.shape)
         choices[key] = _torch.sdpa_backend(example(q.shape, q.stride(), q.dtype), k_example, k_example, mask_example,
                                            whole, scale)
     return choices[key]
 
 
 def _write_fused(graph: fx.Graph, forward: fx.Node, backward: fx.Node | None, device: torch.device,
-                 choices: dict) -> bool:
+                 choices: dict, keep_meta: tuple = ()) -> bool:
     q, k, v, mask, scale, causal = forward.args
     qv, kv, mv = q.meta["val"], k.meta["val"], mask.meta["val"]
     batch, heads, queries, dim = qv.shape
     kv_heads, keys = kv.shape[1], kv.shape[2]
-    whole = causal and queries == keys  # every query here: the causal kernel, the mask unread
     rep = heads // kv_heads
-    backend = _sdpa_backend(qv, kv, mv, whole, scale, backward is not None, device, choices)
+    train = backward is not None
+    backend, whole, padded = _choice(qv, kv, mv, causal, scale, train, device, choices)
     kernels = _KERNELS.get((device.type, backend))
     if kernels is None or (backend == "flash" and device.type == "cuda" and (not whole or dim % 8)):
         return False  # SDPA's math path (or a kernel without a mask where one is needed): the op stays
+    source = forward  # whose meta the nodes written take: the forward op's, then the backward's
 
     def call(target, *args, **kwargs) -> fx.Node:
         node = graph.call_function(target, args, kwargs)
+        node.meta.update((key, source.meta[key]) for key in keep_meta if key in source.meta)
         meta = lambda a: meta_like(a.meta["val"]) if isinstance(a, fx.Node) else a  # noqa: E731
         node.meta["val"] = target(*map_args(meta, args), **map_args(meta, kwargs))  # meta kernels
         return node
 
     def item(node, i) -> fx.Node:
         out = graph.call_function(operator.getitem, (node, i))
+        out.meta.update((key, source.meta[key]) for key in keep_meta if key in source.meta)
         out.meta["val"] = node.meta["val"][i]
         return out
 
@@ -239,7 +311,7 @@ def _write_fused(graph: fx.Graph, forward: fx.Node, backward: fx.Node | None, de
             if qv.dtype != b.meta["val"].dtype:
                 b = call(aten._to_copy.default, b, dtype=qv.dtype)
         if backend == "efficient":  # rows 8-aligned, broadcast dims expanded
-            if keys % 8:
+            if padded:
                 b = call(aten.slice.Tensor, call(aten.constant_pad_nd.default, b, [0, 8 - keys % 8]), -1, 0, keys)
             b = call(aten.expand.default, b, [batch, heads, queries, keys])
         return b
@@ -255,12 +327,15 @@ def _write_fused(graph: fx.Graph, forward: fx.Node, backward: fx.Node | None, de
             fused = call(forward_op, q, kr, vr, bias(), True, 0.0, whole, scale=scale)
         else:
             fused = call(forward_op, q, kr, vr, bias(), True, 0.0, whole, False, scale=scale)
+        fused.meta["sdpa"] = FusedSite(q.name, k.name, mask.name, scale, causal, train, str(device), backend, whole,
+                                       padded)
         out = item(fused, 0)
         forward.replace_all_uses_with(call(aten.contiguous.default, out))
     graph.erase_node(forward)
     if backward is None:
         return True
     grad = backward.args[0]
+    source = backward
     with graph.inserting_before(backward):
         kr, vr = repeated(k), repeated(v)  # again: the forward's copies are not kept alive until here
         saved = [item(fused, i) for i in range(1, len(fused.meta["val"]))]

@@ -844,6 +844,7 @@ def lower(
     device: torch.device | None = None,
     traced: dict | None = None,
     reduce_early: bool = False,
+    attention: tuple[torch.device, bool] | None = None,
 ) -> fx.GraphModule:
     """Build this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
 
@@ -855,6 +856,8 @@ def lower(
     the redistributions traced here for its later programs. The collectives wait where their result
     is read (`wait_where_read`) and, with `reduce_early`, the gradient buckets are reduced behind the
     backward (`issue_reductions_early`): both edit the graph before its GraphModule writes the code, once.
+    `attention`: (the device the program runs on, for Inductor?): its attention is written as torch's
+    fused kernels there (`attention.fuse_attention`), not at run time on a copy of the program.
     """
     decisions = sharding.decisions
     on_device = placed_on(device)
@@ -916,6 +919,8 @@ def lower(
             if d.reduce_to is not None:
                 out = program.redistribute(out, d.out_spec, d.reduce_to, node)
             env[node] = out
+    if attention is not None:
+        _attention.fuse_attention(program.graph, *attention, keep_meta=SOURCE_META)
     if reduce_early:
         issue_reductions_early(program.graph)
         hand_off_early(program.graph)
@@ -941,7 +946,7 @@ def add_hand_offs(graph: fx.Graph, specs: list, plan: OutputPlan | StageOutputPl
     for indices in groups + ([rest] if rest else []):
         with graph.inserting_before(out):
             hook = graph.call_function(handoff.gradients_final, (indices, *[grads[k] for k in indices]))
-        hook.meta = {k: out.meta[k] for k in _SOURCE_META if k in out.meta}
+        hook.meta = {k: out.meta[k] for k in SOURCE_META if k in out.meta}
         hook.meta["custom"] = {**hook.meta.get("custom", {}), "phase": "reduce"}
 
 
@@ -984,7 +989,7 @@ def _run_decision(node: fx.Node, d: Decision, on_device):
 
 # what a node of the program keeps of the LogicGraph node it comes from (what make_fx's
 # `preserve_node_meta` copies): its phase, source line and module path
-_SOURCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "custom")
+SOURCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "torch_fn", "custom")
 
 
 class _ProgramBuilder:
@@ -1076,7 +1081,7 @@ class _ProgramBuilder:
     def _annotate(node: fx.Node, val, source: fx.Node) -> fx.Node:
         meta = node.meta  # edited in place: assigning a node's attribute runs fx's lookups
         meta.clear()
-        meta.update((k, source.meta[k]) for k in _SOURCE_META if k in source.meta)
+        meta.update((k, source.meta[k]) for k in SOURCE_META if k in source.meta)
         if val is not None:
             node.meta["val"] = meta_like(val)
         return node

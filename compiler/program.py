@@ -29,6 +29,7 @@ import torch.fx as fx
 
 from . import _dtensor as dt
 from ._torch import pytree
+from .attention import kernels_hold
 from .cache import CompileCache
 from .garbage import collector_paused
 from .lengths import CannotFit, LengthFit, affine_in_length, fit
@@ -64,6 +65,9 @@ class StageMesh:
     name: str = ""  # the config's name, for the graphs' metadata and error messages
     device: torch.device = torch.device("cpu")  # where the program runs: its factory ops allocate there
     cp: int = 1
+    # what runs the programs ("eager" or "inductor"): their attention is written as the device's fused
+    # kernels when they are lowered (`attention.fuse_attention`); None: left to run time
+    runner: str | None = None
 
 
 @dataclass
@@ -210,6 +214,9 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         specs.append(dt.make_spec(mesh, placements, torch.empty(shape, dtype=dtype, device="meta")))
     specs += [boundary_spec(ph.meta["val"]) for ph in boundary]
     n_acts_in = len(stage.acts_in) if stage is not None else 0
+    # a program cut into a forward and a backward after lowering gets its kernels at run time, per part
+    attention = (where.device, where.runner == "inductor") \
+        if where.runner is not None and not (train and not reduce and len(boundary) > n_acts_in) else None
     key = None
     what = (graph_text(graph), tuple(mesh.mesh.shape), mesh.mesh_dim_names, dp, cp, where.sp, strict,
             [dt.encode_placements(where.param_placements[n]) for n in param_names],
@@ -233,6 +240,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         coordinate = tuple(None if any_dp and i == dp_dim else c for i, c in enumerate(mesh.get_coordinate()))
         return cache.key("program", *what, tuple(map(tuple, local_shapes)), coordinate,
                          train, reduce, logic.split_loss, str(where.device), BUCKET_BYTES,
+                         attention is not None and attention[1], attention is not None,
                          _canonical(decisions), constants_digest(graph))
 
     def load(entry):
@@ -319,7 +327,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             try:
                 # with the DP reduction inside, its buckets reduced behind the rest of the backward
                 gm = lower(graph, sharding, local, plan, mesh, BUCKET_BYTES, device=where.device,
-                           traced=None if memo is None else memo.setdefault("traced", {}), reduce_early=reduce)
+                           traced=None if memo is None else memo.setdefault("traced", {}), reduce_early=reduce,
+                           attention=attention)
             except BaseException:
                 if shared is not None:
                     cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)
@@ -375,9 +384,13 @@ def fit_programs(logic: LogicGraph, first: StageProgram, length_a: int, second: 
 
 def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes: tuple) -> StageProgram:
     """The program of `fitted` at sequence length `length` (raises CannotFit where it does not
-    hold): `like` (one of the two fitted) with its graph written at that length."""
+    hold, or where its fused attention kernels are not SDPA's choice there): `like` (one of the two
+    fitted) with its graph written at that length."""
     t0 = time.perf_counter()
     gm = fitted.at(length)
+    reason = kernels_hold(gm.graph)
+    if reason is not None:
+        raise CannotFit(reason)
     gm.meta["hotswitch"] = {**like.joint.meta["hotswitch"], "local_shapes": tuple(local_shapes), "sharding": None}
     # a stage's boundary: the last placeholders are the activations and the gradients it receives
     received = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]

@@ -187,8 +187,10 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
     the make_fx interpreter of `tests.reference_lowering`. The first difference per program (None:
     the same graph), in the order the programs were lowered."""
     import hotswitch.compiler.program as program
+    from hotswitch.compiler.attention import fuse_attention
     from hotswitch.compiler.lower import (
         BUCKET_BYTES,
+        SOURCE_META,
         add_hand_offs,
         hand_off_early,
         issue_reductions_early,
@@ -200,11 +202,14 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
     original = program.lower
 
     def both(graph, sharding, local, plan, mesh, bucket_bytes=BUCKET_BYTES, device=None, traced=None,
-             reduce_early=False):
+             reduce_early=False, attention=None):
         gm = original(graph, sharding, local, plan, mesh, bucket_bytes, device=device, traced=traced,
-                      reduce_early=reduce_early)
+                      reduce_early=reduce_early, attention=attention)
         expected = lower_by_make_fx(graph, sharding, local, plan, mesh, bucket_bytes, device)
         add_hand_offs(expected.graph, sharding.output_specs, plan, bucket_bytes)
+        if attention is not None:  # torch's kernels for the runner's device, written in alike, and
+            fuse_attention(expected.graph, *attention, keep_meta=SOURCE_META)
+            expected.graph.eliminate_dead_code()  # what a causal kernel leaves unread (the mask) dropped
         if reduce_early:  # the graph passes `lower` applies, applied to the interpreter's trace alike
             issue_reductions_early(expected.graph)
             hand_off_early(expected.graph)

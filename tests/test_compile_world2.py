@@ -204,7 +204,8 @@ def check_a_warm_cache_replays_decisions():
 def check_a_warm_cache_fits_later_lengths():
     """A second compiled model loads the programs of the first two lengths from disk and fits the
     third and fourth from them (the cache entries say the second replayed every decision), as the
-    first model did: the same numbers."""
+    first model did: the same numbers. Every program, lowered, loaded or fitted, holds torch's fused
+    attention kernels already: the runner runs it as it is, with no rewrite at its first step."""
     import os
     import tempfile
 
@@ -223,7 +224,9 @@ def check_a_warm_cache_fits_later_lengths():
             gm = cm.exec_graph("tp2sp", tuple(tuple(x.shape) for x in inputs))
             (program,) = [p for p in cm._state("tp2sp").programs.values() if p.joint is gm]
             loss = cm.forward_backward(*cm.shard_inputs(*inputs))
-            lengths[seq] = dict(loaded=program.loaded, fitted=program.fitted, loss=float(loss))
+            lengths[seq] = dict(loaded=program.loaded, fitted=program.fitted, loss=float(loss),
+                                attention=sorted(str(n.target) for n in gm.graph.nodes if "attention" in str(n.target)),
+                                runs_as_lowered=cm.graph_runner(gm) is gm)
         out.append(lengths)
     return out
 
@@ -399,6 +402,12 @@ def test_a_warm_cache_fits_later_lengths(results):
         assert [warm[s]["loaded"] for s in (12, 16)] == [True, True], warm  # from the first model's disk
         assert [warm[s]["fitted"] for s in (20, 24)] == [(12, 16), (12, 16)], warm
         assert all(warm[s]["loss"] == cold[s]["loss"] for s in cold)
+        layers = 2
+        for lengths in (cold, warm):
+            for seq, r in lengths.items():
+                assert r["attention"] == ["aten._scaled_dot_product_flash_attention_for_cpu.default"] * layers + [
+                    "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"] * layers, (seq, r["attention"])
+                assert r["runs_as_lowered"], seq
 
 
 def test_lowering_builds_the_program_make_fx_would_trace(results):

@@ -201,3 +201,37 @@ def test_fused_kernels_leave_the_op_where_sdpa_takes_its_math_path_and_pair_only
     torch.testing.assert_close(forward(q, k, v, mask), masked_attention(q, k, v, mask, 0.3, False))
     backward = make_fx(backward_only)(torch.randn_like(q), q, k, v, mask)
     assert fused_kernels(backward, torch.device("cpu")) is backward
+
+
+def test_a_fused_kernel_says_what_it_was_chosen_from_and_a_fit_keeps_it_only_where_sdpa_would_choose_it():
+    """`fuse_attention` marks each forward kernel with its choice (`FusedSite`); `kernels_hold` asks
+    SDPA again for a program's current values: the same kernel at a length written from a fit, another
+    where SDPA takes another path (here its math path, by its backend flags)."""
+    from dataclasses import replace
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from hotswitch.compiler.attention import FusedSite, fused_kernels, kernels_hold
+    from hotswitch.compiler.lengths import fit
+
+    def fused_at(t):
+        q, k, v, _ = _inputs(b=2, heads=4, kv_heads=2, t=t)
+        causal_mask = masked_call(torch.empty(2, 4, t, 8), k, v, is_causal=True, enable_gqa=True)[3]
+        return fused_kernels(_joint_program(q, k, v, causal_mask, 8 ** -0.5, True), torch.device("cpu"))
+
+    a, b = fused_at(12), fused_at(16)
+    sites = [n.meta["sdpa"] for n in a.graph.nodes if "sdpa" in n.meta]
+    assert sites == [FusedSite("q_1", "k_1", "mask_1", 8 ** -0.5, True, True, "cpu", "flash", True, False)]
+    assert kernels_hold(a.graph) is None
+    at_20 = fit(a, 12, b, 16).at(20)
+    assert kernels_hold(at_20.graph) is None
+    q, k, v, _ = _inputs(b=2, heads=4, kv_heads=2, t=20)
+    mask = masked_call(torch.empty(2, 4, 20, 8), k, v, is_causal=True, enable_gqa=True)[3]
+    grad = torch.randn_like(q)
+    for got, want in zip(at_20(q, k, v, mask, grad), fused_at(20)(q, k, v, mask, grad)):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    with sdpa_kernel(SDPBackend.MATH):
+        assert "takes SDPA's math kernel (causal) here, not the flash kernel (causal) of" in kernels_hold(at_20.graph)
+    node = next(n for n in at_20.graph.nodes if "sdpa" in n.meta)
+    node.meta["sdpa"] = replace(node.meta["sdpa"], whole=False)  # as if chosen for a shard of the queries
+    assert "flash kernel (causal) here, not the flash kernel (masked) of" in kernels_hold(at_20.graph)

@@ -105,6 +105,12 @@ class GraphRunner:
         self.fallbacks: list[str] = []
         self._made: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
+    @property
+    def kernels(self) -> str | None:
+        """For whom programs are lowered with their attention as fused kernels (`StageMesh.runner`):
+        this backend, or None with HOTSWITCH_FUSED_ATTENTION=0 (the op stays)."""
+        return self.backend if self.fused_attention else None
+
     def __call__(self, gm: fx.GraphModule, what: str = "an ExecGraph") -> Callable[..., Any]:
         run = self._made.get(gm)
         if run is None:

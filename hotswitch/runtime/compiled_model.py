@@ -74,12 +74,13 @@ class ConfigState:
     # (local shapes but the sequence length, train, reduce) -> its programs' lengths (see _fitted)
     lengths: dict[tuple, LengthFamily] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this rank computes
+    runner: str | None = None  # the backend whose fused attention kernels its programs get (StageMesh.runner)
 
     @property
     def where(self) -> StageMesh:
         """The stage's mesh and placements, as the compiler's lowering takes them."""
         return StageMesh(self.mesh, self.axis, self.config.dp, self.config.sp, self.param_specs, self.config.name,
-                         self.device, cp=self.config.cp)
+                         self.device, cp=self.config.cp, runner=self.runner)
 
 
 class CompiledModel:
@@ -683,13 +684,14 @@ class CompiledModel:
         axis = {a: i for i, a in enumerate(config.stage_axes)}
         specs = param_placements(self.roles, self.logic.param_names, config.tp, axis.get("tp"), len(axis), config.name)
         if config.pp == 1:
-            return ConfigState(config, config.device_mesh(self.device.type), axis, specs, device=self.device)
+            return ConfigState(config, config.device_mesh(self.device.type), axis, specs, device=self.device,
+                               runner=self._runner.kernels)
         # pp > 1: a (pp, dp, cp, tp) mesh; stage s runs on its (dp, cp, tp) slice, where parameters are placed
         self._split(config.pp)  # cut the model now: a model that cannot be cut fails at compile time
         full = config.device_mesh(self.device.type)
         mesh = full[config.stage_axes[0]] if len(config.stage_axes) == 1 else full[config.stage_axes]
         st = ConfigState(config, mesh, axis, specs, full_mesh=full, stage=int(full.get_coordinate()[0]),
-                         device=self.device)
+                         device=self.device, runner=self._runner.kernels)
         # parameters shared by stages (a tied embedding): the copies' gradients are summed over the
         # ranks at the same (dp, tp) coordinate of those stages. Every rank creates every group.
         grid = full.mesh.reshape(config.pp, -1)
