@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, in sympy
 
 __all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen",
+           "graph_built", "module_with_lazy_graph",
            "codeless_module", "codeless_modules", "copied_graph", "copy_node", "core_aten_decompositions",
            "detect_fake_mode", "half_precision_math_attention", "inductor_compile", "inductor_default_cache_dir",
            "is_mutable", "lists_codegen", "map_args", "meta_like", "module_with_code", "op_schema", "pytree",
@@ -282,6 +283,42 @@ def module_with_code(root, graph, code: WrittenCode):
         gm._code, gm._lineno_map, gm._prologue_start = code.src, code.lineno_map, code.prologue_start
         type(gm).forward = forward
     return gm
+
+
+class _UndecodedGraph(torch.fx.Graph):
+    """A GraphModule's graph not built yet: the first read of any of its attributes builds it in
+    place (`build(graph)` adds the nodes), after which it is a plain `fx.Graph`, the same object."""
+
+    def __init__(self, build, owning_module):  # noqa: D107 - fx.Graph.__init__ runs when it is built
+        object.__setattr__(self, "_hotswitch_build", (build, owning_module))
+
+    def __getattribute__(self, name):
+        pending = object.__getattribute__(self, "__dict__").pop("_hotswitch_build", None)
+        if pending is not None:
+            build, owner = pending
+            object.__setattr__(self, "__class__", torch.fx.Graph)
+            torch.fx.Graph.__init__(self, owning_module=owner)
+            build(self)
+        return object.__getattribute__(self, name)
+
+
+def module_with_lazy_graph(attrs: dict, graph_codegen, code: WrittenCode, build) -> torch.fx.GraphModule:
+    """A GraphModule running `code` (see `module_with_code`) whose graph is built by `build(graph)`
+    only when something reads it: running the module needs its code only, so a program loaded from
+    the compile cache that nothing inspects never builds its nodes (most of loading it). `attrs`:
+    the tensors the code reads as attributes, by name; `graph_codegen`: the graph's `codegen`."""
+    placeholder = torch.fx.Graph()
+    codegen(placeholder, graph_codegen)
+    gm = module_with_code(torch.nn.Module(), placeholder, code)
+    for name, value in attrs.items():
+        setattr(gm, name, value)
+    gm.__dict__["_graph"] = _UndecodedGraph(build, gm)  # where GraphModule keeps it; not its setter
+    return gm
+
+
+def graph_built(gm: torch.fx.GraphModule) -> bool:
+    """Has `gm`'s graph been built (not one `module_with_lazy_graph` has yet to build)?"""
+    return type(gm.__dict__.get("_graph")) is not _UndecodedGraph
 
 
 def is_mutable(target) -> bool:

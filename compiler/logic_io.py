@@ -31,6 +31,7 @@ from ._torch import (
     codegen,
     map_args,
     module_with_code,
+    module_with_lazy_graph,
     renamed_strings,
     symbolic_fake_mode,
     symbols_of,
@@ -40,7 +41,7 @@ from .trace import LogicGraph
 
 __all__ = ["dumps_logic", "dumps_program", "graph_text", "loads_logic", "loads_program"]
 
-_VERSION = 3
+_VERSION = 4
 
 _GRAPH_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -193,11 +194,19 @@ def _decode_arg(by_name: dict):
 
 def _decode_graph(nodes: list, attrs: dict, code, written: WrittenCode | None, fake_mode, symint, symints: dict,
                   made: dict | None = None) -> fx.GraphModule:
-    graph, by_name = fx.Graph(), {}
+    graph = fx.Graph()
     codegen(graph, code)
     root = torch.nn.Module()
     for name, value in attrs.items():
         setattr(root, name, value)
+    _build_nodes(graph, nodes, fake_mode, symint, symints, made)
+    written = _decode_code(written)
+    return module_with_code(root, graph, written) if written is not None else fx.GraphModule(root, graph)
+
+
+def _build_nodes(graph: fx.Graph, nodes: list, fake_mode, symint, symints: dict, made: dict | None) -> None:
+    """The encoded `nodes` added to `graph`, their meta values made again."""
+    by_name = {}
 
     def size(v):
         if not isinstance(v, _SymInt):
@@ -242,8 +251,6 @@ def _decode_graph(nodes: list, attrs: dict, code, written: WrittenCode | None, f
             # a trace of the graph would take two placeholders with one value for aliases
             node.meta["val"] = value(val, shared=op != "placeholder")
         by_name[name] = node
-    written = _decode_code(written)
-    return module_with_code(root, graph, written) if written is not None else fx.GraphModule(root, graph)
 
 
 def dumps_logic(logic: LogicGraph) -> bytes:
@@ -297,6 +304,8 @@ def dumps_program(gm: fx.GraphModule, groups: dict[str, int]) -> bytes | None:
             written = renamed_strings(written, {name: _group_token(groups[name]) for name in named})
         else:
             written = None
+    # the nodes as bytes of their own: a program that runs its code unpickles them only if its graph is read
+    nodes = pickle.dumps(nodes, protocol=pickle.HIGHEST_PROTOCOL)
     return pickle.dumps((_VERSION, nodes, attrs, graph_code, written), protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -306,12 +315,20 @@ def _group_token(axis: int) -> str:
 
 def loads_program(data: bytes, group_names: list[str]) -> fx.GraphModule:
     """`dumps_program` inverted in this process: axis i's collectives run on `group_names[i]`."""
-    version, nodes, attrs, graph_code, written = pickle.loads(data)
+    version, encoded, attrs, graph_code, written = pickle.loads(data)
     if version != _VERSION:
         raise ValueError(f"an ExecGraph written by another version of hotswitch ({version}, not {_VERSION})")
-    nodes = [(name, op, target, tuple(group_names[a.axis] if isinstance(a, _Group) else a for a in args), kwargs,
-              meta, val) for name, op, target, args, kwargs, meta, val in nodes]
+
+    def nodes() -> list:
+        return [(name, op, target, tuple(group_names[a.axis] if isinstance(a, _Group) else a for a in args), kwargs,
+                 meta, val) for name, op, target, args, kwargs, meta, val in pickle.loads(encoded)]
+
     if written is not None:
         written = renamed_strings(written, {_group_token(axis): name for axis, name in enumerate(group_names)})
+        if all(name.isidentifier() for name in attrs):  # the code is all it takes to run: nodes built when read
+            def build(graph: fx.Graph) -> None:
+                codegen(graph, graph_code)
+                _build_nodes(graph, nodes(), *symbolic_fake_mode({}), {}, None)
+            return module_with_lazy_graph(attrs, graph_code, _decode_code(written), build)
     fake_mode, symint = symbolic_fake_mode({})
-    return _decode_graph(nodes, attrs, graph_code, written, fake_mode, symint, {})
+    return _decode_graph(nodes(), attrs, graph_code, written, fake_mode, symint, {})

@@ -351,7 +351,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             elif shared is not None:
                 cache.failed(shared)
     gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
-                            "local_shapes": tuple(local_shapes), "sharding": sharding}
+                            "local_shapes": tuple(local_shapes), "sharding": sharding,
+                            "kernels": where.runner if attention is not None else None}
     recv_acts = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i:n_p + n_b + n_i + n_acts_in]]
     recv_grads = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i + n_acts_in:]]
     forward, backward = gm, None

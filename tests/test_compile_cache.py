@@ -180,3 +180,29 @@ def test_compiled_code_from_another_python_is_compiled_again():
     # which path ran: only this Python's own compiled code is registered under hotswitch's name
     assert type(loads_program(other, [])).forward.__code__.co_filename.startswith("<eval_with_key>")
     assert type(loaded).forward.__code__.co_filename.startswith("<hotswitch code")
+
+
+def test_a_loaded_program_runs_its_code_and_builds_its_graph_only_when_read():
+    """Loading an ExecGraph whose entry holds its code builds no node: running it needs the code
+    alone. The first read of the graph builds it in place: the same nodes, values and code as the
+    program that was stored, owned by the loaded module, and editable as any graph."""
+    from hotswitch.compiler._torch import graph_built
+    from hotswitch.compiler.logic_io import dumps_program, loads_program
+    from tests.reference_lowering import same_program
+
+    gm = _program_with_collectives("tp", "trunc")
+    loaded = loads_program(dumps_program(gm, {"tp": 0}), ["tp-of-this-process"])
+    assert not graph_built(loaded) and isinstance(loaded.graph, torch.fx.Graph)  # isinstance reads no attribute
+    assert not graph_built(loaded)
+    with pytest.raises(Exception, match="tp-of-this-process"):  # its code ran: the collective's group is this one
+        loaded(torch.arange(6.0))
+    assert not graph_built(loaded)
+    nodes = list(loaded.graph.nodes)  # the first read builds it
+    assert graph_built(loaded) and type(loaded.graph) is torch.fx.Graph and loaded.graph.owning_module is loaded
+    assert [n.name for n in nodes] == [n.name for n in gm.graph.nodes]
+    assert same_program(loaded, gm, portable=True) is None
+    assert loaded.code == loaded.graph.python_code("self").src
+    div = next(n for n in nodes if n.target is torch.ops.aten.div.Tensor_mode)
+    div.kwargs = {"rounding_mode": "floor"}  # an edit, then the code written again, as for any graph
+    loaded.recompile()
+    assert "rounding_mode = 'floor'" in loaded.code

@@ -157,10 +157,12 @@ def check_rows_mixed_across_dp_ranks():
 def check_a_warm_cache_replays_decisions():
     """A second compiled model (as another process would be) finds the first one's LogicGraph on disk
     (no trace), its decisions (replayed: no strategy search) and its ExecGraph (no lowering trace):
-    the same collectives, the same numbers."""
+    the same collectives, the same numbers. A training step runs the loaded program's code without
+    building its graph; reading the graph builds it, the same as the first model's."""
     import os
     import tempfile
 
+    from hotswitch.compiler._torch import graph_built
     from hotswitch.compiler.lower import collectives
     from hotswitch.runtime import shared
 
@@ -184,8 +186,9 @@ def check_a_warm_cache_replays_decisions():
         codes_written = len(written)
         program = next(iter(cm._state("tp2sp").programs.values()))
         loss = cm.forward_backward(*cm.shard_inputs(*inputs))
+        built = graph_built(gm)  # before anything here reads the graph: the step did not
         disk = cm._cache.disk
-        out.append(dict(replayed=program.replayed, loss=float(loss),
+        out.append(dict(replayed=program.replayed, loss=float(loss), graph_built=built,
                         cache=(disk.hits["decisions"], disk.misses["decisions"]),
                         programs=(disk.hits["program"], disk.misses["program"]), loaded=program.loaded,
                         logic=(cm.logic_source, disk.hits["logic"]), nodes=[n.name for n in cm.logic.joint.graph.nodes],
@@ -387,6 +390,7 @@ def test_a_warm_cache_replays_decisions(results):
         # (the searcher has no decisions to look its program up by before it searches)
         assert cold["programs"] == ((0, 0) if cold is searcher else (0, 1)) and not cold["loaded"]
         assert warm["programs"] == (1, 0) and warm["loaded"] and warm["targets"] == cold["targets"]
+        assert cold["graph_built"] and not warm["graph_built"]
         assert all(torch.equal(warm["grads"][k], v) for k, v in cold["grads"].items())
         # the LogicGraph and the program are loaded with the code written for them: none written again
         assert cold["codes_written"] > 0 and warm["codes_written"] == 0, (cold["codes_written"], warm["codes_written"])

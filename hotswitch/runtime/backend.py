@@ -114,7 +114,11 @@ class GraphRunner:
     def __call__(self, gm: fx.GraphModule, what: str = "an ExecGraph") -> Callable[..., Any]:
         run = self._made.get(gm)
         if run is None:
-            native = fused_kernels(gm, self.device, self.backend == "inductor") if self.fused_attention else gm
+            # a program lowered for this backend holds its attention kernels already (and its graph,
+            # loaded from the compile cache, may not even be built: the eager path never reads it)
+            lowered_for = gm.meta.get("hotswitch", {}).get("kernels")
+            native = fused_kernels(gm, self.device, self.backend == "inductor") \
+                if self.fused_attention and lowered_for != self.backend else gm
             run = self._made[gm] = native if self.backend == "eager" else _Compiled(native, self, what)
         return run
 
