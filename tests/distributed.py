@@ -63,7 +63,9 @@ What the parent does:
       failed with that reason, so a hang becomes a clear test failure, never a hung test session.
 
 Collectives that are never matched (a rank skipped one) fail after ``collective_timeout`` (the
-process-group timeout, default ``timeout / 2``) with a gloo timeout error in the check.
+process-group timeout, default ``timeout / 2``) with a gloo timeout error in the check. A rank whose
+check raises closes its process group first, so peers waiting on it in a collective or a recv fail
+at once with a closed connection, not at that timeout.
 Module-level code of a test module runs again in every worker (it is imported there to find the
 checks), so keep heavy work inside checks. Checks are found by qualified name, so they must be
 module-level functions (or ``functools.partial`` of them, or another picklable callable).
@@ -517,6 +519,11 @@ def _worker(
             else:
                 st, err = "fail", _format_exception(e)
                 pg_error = isinstance(e, dist.DistError) or "gloo" in str(e).lower()
+                # peers may be blocked in a collective or a recv this rank will never join: closing
+                # the group fails them at once (a connection closed) instead of at its timeout
+                if dist.is_initialized():
+                    with contextlib.suppress(Exception):
+                        dist.destroy_process_group()
         secs = time.perf_counter() - t
         results.send(("result", rank, i, st, payload, err, secs))
 

@@ -61,6 +61,16 @@ def check_desync():
     return "skipped the collective"
 
 
+def check_fails_while_a_peer_waits():
+    # Rank 1 fails before the send rank 0 waits for: its failing closes its group, so rank 0's recv
+    # fails at once (a connection closed), not after the collective timeout (600 s by default)
+    if dist.get_rank() == 1:
+        raise ValueError("boom before sending")
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(2), src=1)
+    return "not waiting"
+
+
 def check_after_failures():
     _STATE.append("after")
     x = torch.tensor([float(dist.get_rank())])
@@ -88,6 +98,7 @@ CHECKS_4 = [
     check_fails_on_rank_1,
     check_assert_values,
     check_desync,
+    check_fails_while_a_peer_waits,
     check_after_failures,
     check_unpicklable,
     check_needs_a_gpu,
@@ -149,6 +160,15 @@ def test_desync_fails_the_check_and_the_group_is_rebuilt(results):
     assert r.failed_ranks == [0] and "Timed out" in r.errors[0]
     after = results["check_after_failures"].raise_if_failed()  # collectives work again
     assert [v["sum"] for v in after] == [6.0] * 4
+
+
+def test_a_failing_rank_fails_its_waiting_peer_at_once(results):
+    r = results["check_fails_while_a_peer_waits"]
+    assert r.failed_ranks == [0, 1] and r.values[2:] == ["not waiting"] * 2
+    assert "ValueError: boom before sending" in r.errors[1]
+    error = r.errors[0].lower()
+    assert "timed out" not in error and ("closed" in error or "reset" in error), r.errors[0]
+    results["check_after_failures"].raise_if_failed()  # on a new group
 
 
 def test_checks_share_one_process_per_rank(results):
