@@ -20,12 +20,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, in sympy
 
 __all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen",
-           "graph_built", "module_with_lazy_graph",
            "codeless_module", "codeless_modules", "copied_graph", "copy_node", "core_aten_decompositions",
-           "detect_fake_mode", "half_precision_math_attention", "inductor_compile", "inductor_default_cache_dir",
-           "is_mutable", "lists_codegen", "map_args", "meta_like", "module_with_code", "op_schema", "pytree",
-           "renamed_strings", "sdpa_backend", "size_hint", "symbolic_fake_mode", "symbols_of", "with_code",
-           "written_code"]
+           "detect_fake_mode", "graph_built", "half_precision_math_attention", "inductor_compile",
+           "inductor_default_cache_dir", "is_mutable", "lists_codegen", "map_args", "meta_like", "module_with_code",
+           "module_with_lazy_graph", "op_schema", "pytree", "renamed_strings", "sdpa_backend", "size_hint",
+           "symbolic_fake_mode", "symbols_of", "with_code", "written_code"]
 
 OpOverload = torch._ops.OpOverload
 
@@ -289,7 +288,7 @@ class _UndecodedGraph(torch.fx.Graph):
     """A GraphModule's graph not built yet: the first read of any of its attributes builds it in
     place (`build(graph)` adds the nodes), after which it is a plain `fx.Graph`, the same object."""
 
-    def __init__(self, build, owning_module):  # noqa: D107 - fx.Graph.__init__ runs when it is built
+    def __init__(self, build, owning_module):  # fx.Graph.__init__ runs when it is built
         object.__setattr__(self, "_hotswitch_build", (build, owning_module))
 
     def __getattribute__(self, name):
