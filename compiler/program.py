@@ -214,9 +214,11 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         specs.append(dt.make_spec(mesh, placements, torch.empty(shape, dtype=dtype, device="meta")))
     specs += [boundary_spec(ph.meta["val"]) for ph in boundary]
     n_acts_in = len(stage.acts_in) if stage is not None else 0
-    # a program cut into a forward and a backward after lowering gets its kernels at run time, per part
-    attention = (where.device, where.runner == "inductor") \
-        if where.runner is not None and not (train and not reduce and len(boundary) > n_acts_in) else None
+    # a training stage that receives gradients (not the last) is cut into a forward and a backward
+    # after lowering; those get their attention kernels at run time, per part
+    cut = train and not reduce and len(boundary) > n_acts_in
+    kernels = where.runner if not cut else None  # the backend this program's attention kernels are for
+    attention = (where.device, kernels == "inductor") if kernels is not None else None
     key = None
     what = (graph_text(graph), tuple(mesh.mesh.shape), mesh.mesh_dim_names, dp, cp, where.sp, strict,
             [dt.encode_placements(where.param_placements[n]) for n in param_names],
@@ -240,7 +242,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         coordinate = tuple(None if any_dp and i == dp_dim else c for i, c in enumerate(mesh.get_coordinate()))
         return cache.key("program", *what, tuple(map(tuple, local_shapes)), coordinate,
                          train, reduce, logic.split_loss, str(where.device), BUCKET_BYTES,
-                         attention is not None and attention[1], attention is not None,
+                         kernels,
                          _canonical(decisions), constants_digest(graph))
 
     def load(entry):
@@ -352,11 +354,11 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 cache.failed(shared)
     gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
                             "local_shapes": tuple(local_shapes), "sharding": sharding,
-                            "kernels": where.runner if attention is not None else None}
+                            "kernels": kernels}
     recv_acts = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i:n_p + n_b + n_i + n_acts_in]]
     recv_grads = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i + n_acts_in:]]
     forward, backward = gm, None
-    if train and recv_grads and not reduce:
+    if cut:
         forward, backward, _ = split_forward_backward(gm, len(recv_grads), tuple(range(n_out + n_losses)))
     return StageProgram(
         joint=gm, forward=forward, backward=backward, train=train, is_last=is_last, n_acts_out=n_out,
