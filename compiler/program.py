@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import sympy
 import torch
@@ -48,7 +49,8 @@ from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
 from .trace import LogicGraph
 
-__all__ = ["StageMesh", "StageProgram", "constants_digest", "fit_programs", "lower_program", "program_at"]
+__all__ = ["StageMesh", "StageProgram", "constants_digest", "fit_programs", "fitted_program", "lower_program",
+           "program_at"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,11 @@ class StageProgram:
     mixes_rows: tuple[str, ...] = ()
     replayed_all: bool = False  # every decision replayed from another shape's, none searched again
     fitted: tuple[int, int] | None = None  # not lowered: written from the programs at these two lengths (`program_at`)
+    # the compile cache's entry holding this program (None: not cached), and whether every dp rank
+    # reads that one entry ("shared program"): a program fitted from two cached ones is cached under
+    # a key made of theirs (`fitted_program`)
+    key: str | None = None
+    shared: bool = False
 
 
 def _concrete(size, values: dict) -> int:
@@ -255,11 +262,15 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             return None, None, (), False
 
     sharding, propagate_seconds, gm, deferred_specs, mixed, replayed_all = None, 0.0, None, None, (), False
+    entry_key, entry_shared = None, False  # where this program is cached
     if cache is not None and decided is not None:  # this rank's very program, lowered by an earlier process
         for any_dp in ((True, False) if dp_dim is not None else (False,)):
-            entry = cache.get(program_key(decided, any_dp), "program")
+            looked_up = program_key(decided, any_dp)
+            entry = cache.get(looked_up, "program")
             if entry is not None:
                 gm, deferred_specs, mixed, replayed_all = load(entry)
+                if gm is not None:
+                    entry_key, entry_shared = looked_up, any_dp
                 break
     # graph -> did its last program leave the dp coordinate unread (`reads_coordinate`)? Then one with
     # the same decisions does too: it is looked up, or claimed, before the decisions are replayed
@@ -271,6 +282,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         entry = cache.get(claimed, "shared program")
         if entry is not None:
             gm, deferred_specs, mixed, replayed_all = load(entry)
+            if gm is not None:
+                entry_key, entry_shared = claimed, True
             claimed = None  # another rank lowered it; nothing of ours to publish
     loaded = gm is not None
     if loaded:
@@ -324,6 +337,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             if entry is not None:
                 gm, deferred_specs, mixed, replayed_all = load(entry)
                 loaded = gm is not None
+                if loaded:
+                    entry_key, entry_shared = shared, True
                 shared = None  # nothing to publish: another rank (or an earlier process) lowered it
         if gm is None:
             try:
@@ -347,9 +362,11 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             if data is not None:
                 entry = (data, [dt.encode_spec(s) for s in deferred_specs], mixed, replayed_all)
                 if shared is not None:
+                    entry_key, entry_shared = shared, True
                     cache.put(shared, entry, "shared program")
                 else:
-                    cache.put(program_key(decided if decided is not None else decisions), entry, "program")
+                    entry_key = program_key(decided if decided is not None else decisions)
+                    cache.put(entry_key, entry, "program")
             elif shared is not None:
                 cache.failed(shared)
     gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
@@ -366,7 +383,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=deferred_specs,
         param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
         decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded,
-        mixes_rows=mixed, replayed_all=replayed_all)
+        mixes_rows=mixed, replayed_all=replayed_all, key=entry_key,
+        shared=entry_shared)
 
 
 def fit_programs(logic: LogicGraph, first: StageProgram, length_a: int, second: StageProgram,
@@ -394,9 +412,16 @@ def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes:
     reason = kernels_hold(gm.graph)
     if reason is not None:
         raise CannotFit(reason)
+    return _at_length(like, gm, local_shapes, fitted.lengths, t0)
+
+
+def _at_length(like: StageProgram, gm: fx.GraphModule, local_shapes: tuple, lengths: tuple[int, int],
+               t0: float, loaded: bool = False) -> StageProgram:
+    """`like` (a program of the fit) with `gm`, its graph at another length, in its place."""
     gm.meta["hotswitch"] = {**like.joint.meta["hotswitch"], "local_shapes": tuple(local_shapes), "sharding": None}
     # a stage's boundary: the last placeholders are the activations and the gradients it receives
-    received = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    received = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"] if like.recv_acts or like.recv_grads \
+        else []  # (none: its graph left unread, as a loaded one's is until something reads it)
     received = received[len(received) - len(like.recv_acts) - len(like.recv_grads):]
     received = [(tuple(v.shape), v.dtype) for v in received]
     forward, backward = gm, None
@@ -405,4 +430,43 @@ def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes:
                                                       tuple(range(like.n_acts_out + like.n_losses)))
     return replace(like, joint=gm, forward=forward, backward=backward, recv_acts=received[:len(like.recv_acts)],
                    recv_grads=received[len(like.recv_acts):], seconds=time.perf_counter() - t0,
-                   propagate_seconds=0.0, replayed=0, loaded=False, replayed_all=False, fitted=fitted.lengths)
+                   propagate_seconds=0.0, replayed=0, loaded=loaded, replayed_all=False, fitted=lengths, key=None,
+                   shared=False)
+
+
+def fitted_program(fitted: Callable[[], LengthFit], lowered: list[tuple[int, StageProgram]], length: int,
+                   local_shapes: tuple, mesh: dt.DeviceMesh, cache: CompileCache | None = None) -> StageProgram:
+    """`program_at` the fit of the two `lowered` (length, program) pairs, looked up in the compile
+    cache first: a program fitted once is the same in every later process (and, fitted from two
+    programs every dp rank shares, on every dp rank), so a warm process neither fits nor writes it.
+    `fitted()` gives the fit (computed on first call, by the caller); CannotFit as `program_at`."""
+    t0 = time.perf_counter()
+    (length_a, first), (length_b, second) = lowered
+    key = kind = None
+    if cache is not None and first.key is not None and second.key is not None:
+        kind = "shared program" if first.shared and second.shared else "program"
+        key = cache.key("fitted", first.key, length_a, second.key, length_b, length, tuple(map(tuple, local_shapes)))
+        entry = cache.get(key, kind)
+        groups = [mesh.get_group(i).group_name for i in range(mesh.ndim)]
+        if entry is not None:
+            try:
+                return _at_length(first, loads_program(entry, groups), local_shapes, (length_a, length_b), t0,
+                                  loaded=True)
+            except Exception as e:  # noqa: BLE001 - an entry from another torch build, say: fit it again
+                cache.report(f"a cached fitted ExecGraph did not load ({type(e).__name__}: {e}); it is fitted again")
+    try:
+        program = program_at(fitted(), first, length, local_shapes)
+    except BaseException:
+        if kind == "shared program":
+            cache.failed(key)  # the dp ranks waiting for it fit it themselves (and refuse alike)
+        raise
+    if key is not None:
+        try:
+            data = dumps_program(program.joint, {name: i for i, name in enumerate(groups)})
+        except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
+            data = None
+        if data is not None:
+            cache.put(key, data, kind)
+        elif kind == "shared program":
+            cache.failed(key)
+    return program

@@ -205,10 +205,12 @@ def check_a_warm_cache_replays_decisions():
 
 
 def check_a_warm_cache_fits_later_lengths():
-    """A second compiled model loads the programs of the first two lengths from disk and fits the
-    third and fourth from them (the cache entries say the second replayed every decision), as the
-    first model did: the same numbers. Every program, lowered, loaded or fitted, holds torch's fused
-    attention kernels already: the runner runs it as it is, with no rewrite at its first step."""
+    """A second compiled model loads the programs of the first two lengths from disk, and the third
+    and fourth as the first model fitted them: nothing fitted again, the same code and numbers. Every
+    program, lowered, loaded or fitted, holds torch's fused attention kernels already: the runner
+    runs it as it is, with no rewrite at its first step. A third model finds entries that do not load
+    (written by another torch build, say): it warns, lowers and fits again, with the same numbers."""
+    import contextlib
     import os
     import tempfile
 
@@ -218,20 +220,31 @@ def check_a_warm_cache_fits_later_lengths():
     model = make_model("gpt")
     config = hs.DistConfig("tp2sp", tp=2, sp=True)
     out = []
-    for _ in range(2):
+    unreadable = mock.patch("hotswitch.compiler.program.loads_program", side_effect=ValueError("another build"))
+    for entries in (contextlib.nullcontext(), contextlib.nullcontext(), unreadable):
         shared._LOADED.clear()  # as in another process: no LogicGraph in memory, only on disk
-        cm = hs.compile(model, batch(), [config])
-        lengths = {}
-        for seq in (12, 16, 20, 24):
-            inputs = batch(seq=seq)
-            gm = cm.exec_graph("tp2sp", tuple(tuple(x.shape) for x in inputs))
-            (program,) = [p for p in cm._state("tp2sp").programs.values() if p.joint is gm]
-            loss = cm.forward_backward(*cm.shard_inputs(*inputs))
-            lengths[seq] = dict(loaded=program.loaded, fitted=program.fitted, loss=float(loss),
-                                attention=sorted(str(n.target) for n in gm.graph.nodes if "attention" in str(n.target)),
-                                runs_as_lowered=cm.graph_runner(gm) is gm)
+        with entries, warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            lengths = _at_four_lengths(model, config)
+        lengths["warned"] = [str(w.message) for w in warned if "compile cache" in str(w.message)]
         out.append(lengths)
     return out
+
+
+def _at_four_lengths(model, config) -> dict:
+    """A training step at each of four lengths of a newly compiled `model`: what each program was."""
+    cm = hs.compile(model, batch(), [config])
+    lengths = {}
+    for seq in (12, 16, 20, 24):
+        inputs = batch(seq=seq)
+        gm = cm.exec_graph(config.name, tuple(tuple(x.shape) for x in inputs))
+        (program,) = [p for p in cm._state(config.name).programs.values() if p.joint is gm]
+        loss = cm.forward_backward(*cm.shard_inputs(*inputs))
+        lengths[seq] = dict(loaded=program.loaded, fitted=program.fitted, loss=float(loss), code=gm.code,
+                            fits=[f.fit is not None for f in cm._state(config.name).lengths.values()],
+                            attention=sorted(str(n.target) for n in gm.graph.nodes if "attention" in str(n.target)),
+                            runs_as_lowered=cm.graph_runner(gm) is gm)
+    return lengths
 
 
 def check_gradient_buckets_reduce_behind_the_backward():
@@ -401,14 +414,25 @@ def test_a_warm_cache_replays_decisions(results):
 
 
 def test_a_warm_cache_fits_later_lengths(results):
-    for cold, warm in results["check_a_warm_cache_fits_later_lengths"].raise_if_failed():
+    for cold, warm, unreadable in results["check_a_warm_cache_fits_later_lengths"].raise_if_failed():
         assert [cold[s]["fitted"] for s in (12, 16, 20, 24)] == [None, None, (12, 16), (12, 16)], cold
         assert [warm[s]["loaded"] for s in (12, 16)] == [True, True], warm  # from the first model's disk
         assert [warm[s]["fitted"] for s in (20, 24)] == [(12, 16), (12, 16)], warm
-        assert all(warm[s]["loss"] == cold[s]["loss"] for s in cold)
+        # the fitted programs too, as the first model wrote them: the warm model never fits
+        assert [cold[s]["loaded"] for s in (20, 24)] == [False, False] and cold[24]["fits"] == [True], cold
+        assert [warm[s]["loaded"] for s in (20, 24)] == [True, True] and warm[24]["fits"] == [False], warm
+        assert all(warm[s]["loss"] == cold[s]["loss"] and warm[s]["code"] == cold[s]["code"] for s in (12, 16, 20, 24))
+        assert cold["warned"] == warm["warned"] == []
+        # entries that do not load: said once, then lowered (the decisions replayed) and fitted again
+        assert [unreadable[s]["loaded"] for s in (12, 16, 20, 24)] == [False] * 4, unreadable
+        assert [unreadable[s]["fitted"] for s in (20, 24)] == [(12, 16)] * 2 and unreadable[24]["fits"] == [True]
+        assert len(unreadable["warned"]) == 1 and "did not load" in unreadable["warned"][0], unreadable["warned"]
+        assert all(unreadable[s]["loss"] == cold[s]["loss"] for s in (12, 16, 20, 24))
         layers = 2
         for lengths in (cold, warm):
             for seq, r in lengths.items():
+                if seq == "warned":
+                    continue
                 assert r["attention"] == ["aten._scaled_dot_product_flash_attention_for_cpu.default"] * layers + [
                     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"] * layers, (seq, r["attention"])
                 assert r["runs_as_lowered"], seq

@@ -24,7 +24,7 @@ from hotswitch.compiler.garbage import collector_paused
 from hotswitch.compiler.handoff import handing_off
 from hotswitch.compiler.lengths import CannotFit, LengthFit
 from hotswitch.compiler.lower import ShardingDecisions
-from hotswitch.compiler.program import StageMesh, StageProgram, fit_programs, lower_program, program_at
+from hotswitch.compiler.program import StageMesh, StageProgram, fit_programs, fitted_program, lower_program
 from hotswitch.compiler.signature import ModelCall
 from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
@@ -931,7 +931,8 @@ class CompiledModel:
                 "" if train else " (forward only)") + (f", stage {st.stage}" if stage is not None else "")
             program = self._fitted(st, key)
             if program is not None:
-                how = f"fitted from lengths {program.fitted[0]} and {program.fitted[1]}"
+                how = f"fitted from lengths {program.fitted[0]} and {program.fitted[1]}" + (
+                    ", loaded: the compile cache or another dp rank had it" if program.loaded else "")
             else:
                 self._report(f"lowering {what}")
                 program = lower_program(self.logic, stage, st.where, self._buffers, key[0],
@@ -972,23 +973,30 @@ class CompiledModel:
 
     def _fitted(self, st: ConfigState, key: tuple) -> StageProgram | None:
         """The program for `key` written from the fit of two earlier lengths (`compiler.lengths`), or
-        None: fewer than two lowered yet, they do not fit, or the fit does not hold at this length."""
+        loaded where an earlier process (or another dp rank) wrote it; None: fewer than two lowered
+        yet, they do not fit, or the fit does not hold at this length."""
         found = self._by_length(key)
         family = st.lengths.get(found[0]) if found is not None else None
         if family is None or len(family.lowered) < 2 or family.refused is not None:
             return None
-        if family.fit is None:
-            (length_a, first), (length_b, second) = family.lowered
-            try:
-                family.fit = fit_programs(self.logic, first, length_a, second, length_b)
-            except CannotFit as e:
-                family.refused = str(e)
-                self._report(f"{st.config.name}: every sequence length is lowered ({e})")
-                return None
+
+        def fitted() -> LengthFit:
+            if family.fit is None:
+                (length_a, first), (length_b, second) = family.lowered
+                try:
+                    family.fit = fit_programs(self.logic, first, length_a, second, length_b)
+                except CannotFit as e:
+                    family.refused = str(e)
+                    raise
+            return family.fit
+
         try:
-            return program_at(family.fit, family.lowered[0][1], found[1], key[0])
+            return fitted_program(fitted, family.lowered, found[1], key[0], st.mesh, self._cache)
         except CannotFit as e:
-            self._report(f"{st.config.name}: length {found[1]} is lowered ({e})")
+            if family.refused is not None:
+                self._report(f"{st.config.name}: every sequence length is lowered ({e})")
+            else:
+                self._report(f"{st.config.name}: length {found[1]} is lowered ({e})")
             return None
 
     def _pipelined(self, st: ConfigState, local_inputs, micro_batches, schedule, grad_scale: float, train: bool):
