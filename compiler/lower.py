@@ -292,10 +292,15 @@ class ShardingDecisions:
     again. A view whose size DTensor rewrote into its output's local shape gets that local shape at
     the new size (`tp_rules.SIZED_VIEW_OPS`); other ops whose arguments DTensor rewrites for its choice, and ops
     with a _StridedShard (whose split factor is a shape), are propagated anew. Plain
-    values: picklable, kept per config in memory and in the persistent cache (`hotswitch.compiler.cache`)."""
+    values: picklable, kept per config in memory and in the persistent cache (`hotswitch.compiler.cache`).
+
+    `dp_shared`: whether the program the search lowered read no dp coordinate (`reads_coordinate`),
+    so that its dp ranks shared it; a rank given these decisions expects the same and waits for the
+    shared program instead of replaying them first (None: not known, or no dp)."""
 
     ops: dict[str, tuple]
     keep_partial: frozenset[str]
+    dp_shared: bool | None = None
 
 
 def _seq_dim(node: fx.Node, seq_symbol) -> int | None:

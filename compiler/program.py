@@ -277,7 +277,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     shared_before = None if memo is None else memo.setdefault("shared programs", {})
     claimed = None
     if gm is None and cache is not None and decided is not None and dp_dim is not None \
-            and shared_before is not None and shared_before.get(graph):
+            and shared_before is not None and shared_before.get(graph, decided.dp_shared):
         claimed = program_key(decided, any_dp=True)
         entry = cache.get(claimed, "shared program")
         if entry is not None:
@@ -302,8 +302,6 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 raise
             propagate_seconds = time.perf_counter() - t_propagate
             decisions = sharding.placements()
-            if key is not None and decided is None:
-                cache.put(key, decisions)
             if reduce:
                 plan = OutputPlan(split_loss=logic.split_loss, num_losses=2 if logic.split_loss else 1,
                                   param_specs=tuple(specs[:n_p]) if train else ())
@@ -319,9 +317,13 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             # coordinate (`lower.reads_coordinate`): the first to get here lowers it for the others
             one_for_all = cache is not None and dp_dim is not None and not reads_coordinate(
                 sharding, graph, dp_dim, _plan_redistributions(plan, sharding.output_specs))
+            if dp_dim is not None and cache is not None:
+                decisions = replace(decisions, dp_shared=one_for_all)
         except BaseException:
             if claimed is not None:
                 cache.failed(claimed)  # the dp ranks waiting for it lower it themselves (and raise the same)
+            if key is not None and decided is None:
+                cache.failed(key)
             raise
         shared = None
         if shared_before is not None and dp_dim is not None:
@@ -340,6 +342,10 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 if loaded:
                     entry_key, entry_shared = shared, True
                 shared = None  # nothing to publish: another rank (or an earlier process) lowered it
+        if key is not None and decided is None:
+            # published once this rank has claimed the shared program it lowers: a dp rank that the
+            # decisions tell to wait for one finds it claimed, and does not lower it a second time
+            cache.put(key, decisions)
         if gm is None:
             try:
                 # with the DP reduction inside, its buckets reduced behind the rest of the backward
