@@ -346,6 +346,7 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
     decisions: dict[fx.Node, Decision] = {}
     specs: dict[fx.Node, Any] = {}
     values: dict[fx.Node, Any] = {}
+    alike = _AlikeOps(specs, values, pinned_nodes)
     placeholders = iter(placeholder_specs)
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -354,13 +355,21 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
             continue
         if node.op == "output":
             break
-        d = _replay(node, decided.ops.get(node.name), mesh, specs, values) if decided is not None else None
+        d = None
+        if decided is not None:
+            placements = decided.ops.get(node.name)
+            d = alike.get(node, ("replay", placements)) if placements is not None else None
+            if d is None:
+                d = alike.put(node, ("replay", placements), _replay(node, placements, mesh, specs, values))
         if d is not None:
             replayed += 1
         else:
             d = _as_before(earlier[node], specs) if node in earlier else None
             if d is None:
-                d = _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded=cp_axis is not None)
+                d = alike.get(node, "decide")
+            if d is None:
+                d = alike.put(node, "decide", _decide(node, mesh, specs, values, pinned_nodes, strict,
+                                                      rows_sharded=cp_axis is not None))
             if d.replayable and d.kind == "op" and _encoded(d) is not None:
                 searched.append(node.name)
         if d.kind == "op" and _has_partial(d.out_spec) and node not in keep_partial:
@@ -377,6 +386,90 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
     out = next(n for n in graph.nodes if n.op == "output")
     return GraphSharding(decisions, [specs[a] for a in pytree.tree_leaves(out.args[0])], frozenset(keep_partial),
                          replayed, tuple(searched))
+
+
+class _AlikeOps:
+    """The decisions of one propagation by what decides them: an op's target, its tensor inputs'
+    specs (and whether each is a parameter's view, or a fresh tensor), its other arguments, and how
+    it is decided (searched, or replayed from which placements). A repeated block's ops are decided
+    once, for its first copy; the others get that decision, bound to their own inputs (what an op of
+    a later copy would be decided, since nothing else reaches `_decide` or `_replay`).
+
+    Kept out: ops whose decisions carry a _MaskPartial (an object per use: it links an input's
+    redistribution to the output's reduction) or a _StridedShard (split factors relative to an
+    input), and decisions that are not plain DTensor choices (fallbacks, factories, values)."""
+
+    def __init__(self, specs: dict, values: dict, pinned_nodes):
+        self.specs, self.values, self.pinned = specs, values, pinned_nodes
+        self.seen: dict[tuple, Decision] = {}
+        self._key: tuple | None = None  # the key `get` missed, for the `put` that follows it
+        self._tensor_nodes: list = []
+
+    def get(self, node: fx.Node, how) -> Decision | None:
+        self._key = key = self._key_of(node, how)
+        if key is None:
+            return None
+        d = self.seen.get(key)
+        if d is None:
+            return None
+        ins = [self.specs[n] for n in self._tensor_nodes]
+        want = [now if w is then else w for w, then, now in zip(d.want_specs, d.in_specs, ins)]
+        return Decision("op", tensor_nodes=self._tensor_nodes, in_specs=ins, want_specs=want, args=d.args,
+                        kwargs=d.kwargs, out_spec=d.out_spec, replayable=d.replayable)
+
+    def put(self, node: fx.Node, how, d: Decision | None) -> Decision | None:
+        """`d`, decided for `node` after `get(node, how)` missed; kept when it may stand for others."""
+        if d is not None and self._key is not None and d.kind == "op" and d.replayable and not any(
+                isinstance(p, (dt.MaskPartial, dt.StridedShard))
+                for spec in (*d.want_specs, *(d.out_spec if isinstance(d.out_spec, (tuple, list)) else (d.out_spec,)))
+                if isinstance(spec, dt.DTensorSpec) for p in spec.placements):
+            self.seen[self._key] = d
+        self._key = None
+        return d
+
+    def _key_of(self, node: fx.Node, how) -> tuple | None:
+        target = node.target
+        if not isinstance(target, OpOverload) or target in _SYM_OPS or target in _DROP_OPS:
+            return None
+        tensor_nodes, inputs = [], []
+
+        def leaf(a):
+            if isinstance(a, fx.Node):
+                if _is_tensor_node(a):
+                    spec = self.specs.get(a)
+                    if not isinstance(spec, dt.DTensorSpec) or any(
+                            isinstance(p, (dt.MaskPartial, dt.StridedShard)) for p in spec.placements):
+                        raise _NotAlike
+                    tensor_nodes.append(a)
+                    inputs.append((spec, a in self.pinned, _is_fresh(a)))
+                    return _TENSOR
+                if a not in self.values:
+                    raise _NotAlike
+                a = self.values[a]
+            if isinstance(a, (tuple, list)):
+                return (type(a), tuple(leaf(x) for x in a))
+            if isinstance(a, dict):
+                return (dict, tuple((k, leaf(v)) for k, v in a.items()))
+            hash(a)
+            return (type(a), a)
+
+        try:
+            key = (target, how, leaf(node.args), leaf(dict(node.kwargs)))
+            if not tensor_nodes:
+                return None
+            key = (*key, tuple(inputs))
+            hash(key)
+        except (_NotAlike, TypeError):
+            return None
+        self._tensor_nodes = tensor_nodes
+        return key
+
+
+class _NotAlike(Exception):
+    """An op `_AlikeOps` does not key."""
+
+
+_TENSOR = object()  # a tensor input's place among an op's arguments (its spec is keyed apart)
 
 
 def _as_before(d: Decision, specs: dict) -> Decision | None:

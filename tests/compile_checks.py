@@ -5,6 +5,7 @@ import copy
 import os
 import re
 from collections import Counter
+from unittest import mock
 
 import torch
 
@@ -271,6 +272,47 @@ def second_pass_equals_deciding_again(kind: str, configs) -> list[tuple[str | No
         del os.environ["HOTSWITCH_CACHE"]
 
 
+def alike_ops_equal_deciding_each(kind: str, configs, lengths=(SEQ, 16)) -> list[tuple[str, str | None, int]]:
+    """Compile `configs` and lower each at `lengths` (the first searched, the next replayed), every
+    propagation run twice: as `propagate_graph` runs it (an op alike an earlier one, a repeated
+    block's, takes that one's decision: `lower._AlikeOps`) and with every op decided on its own. Per
+    propagation: "search" or "replay", the first difference (None: the same decisions, specs,
+    reductions and arguments for every node) and the decisions taken from an alike op."""
+    import hotswitch.compiler.lower as lower
+    import hotswitch.compiler.program as program
+
+    found: list[tuple[str, str | None, int]] = []
+    original, get = program.propagate_graph, lower._AlikeOps.get
+    served = [0]
+
+    def counted(self, node, how):
+        d = get(self, node, how)
+        served[0] += d is not None
+        return d
+
+    def both(*args, **kwargs):
+        served[0] = 0
+        with mock.patch.object(lower._AlikeOps, "get", counted):
+            got = original(*args, **kwargs)
+        with mock.patch.object(lower._AlikeOps, "get", lambda self, node, how: None):
+            alone = original(*args, **kwargs)
+        found.append(("search" if kwargs.get("decided") is None else "replay", _first_difference(got, alone),
+                      served[0]))
+        return got
+
+    os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered here, none loaded
+    program.propagate_graph = both
+    try:
+        cm = hs.compile(make_model(kind), batch(seq=lengths[0]), configs=list(configs))
+        for config in configs:
+            for seq in lengths[1:]:
+                cm.exec_graph(config.name, tuple(tuple(x.shape) for x in batch(seq=seq)))
+        return found
+    finally:
+        program.propagate_graph = original
+        del os.environ["HOTSWITCH_CACHE"]
+
+
 def _first_difference(a, b) -> str | None:
     if a.keep_partial != b.keep_partial or a.output_specs != b.output_specs:
         return "kept partials or output specs"
@@ -279,9 +321,24 @@ def _first_difference(a, b) -> str | None:
     for node, d in a.decisions.items():
         e = b.decisions[node]
         for f in fields:
-            if getattr(d, f) != getattr(e, f):
+            if not _alike(getattr(d, f), getattr(e, f)):
                 return f"{node.name}.{f}: {getattr(d, f)!r} != {getattr(e, f)!r}"
     return None if a.decisions.keys() == b.decisions.keys() else "nodes"
+
+
+def _alike(x, y) -> bool:
+    """Equal, a _MaskPartial aside: two propagations each make their own (DTensor compares them by
+    the identity of the mask they carry), so placements are compared as `encode_placements` writes them."""
+    from hotswitch.compiler import _dtensor as dt
+
+    if isinstance(x, dt.DTensorSpec) and isinstance(y, dt.DTensorSpec):
+        return (x.mesh == y.mesh and x.tensor_meta == y.tensor_meta
+                and dt.encode_placements(x.placements) == dt.encode_placements(y.placements))
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return type(x) is type(y) and len(x) == len(y) and all(map(_alike, x, y))
+    if isinstance(x, dict) and isinstance(y, dict):
+        return x.keys() == y.keys() and all(_alike(x[k], y[k]) for k in x)
+    return x == y
 
 
 def eager_vs_inductor(kind: str, config: str, micro_batches: int = 1, rows: int | None = None, tol: float = 1e-5,

@@ -11,6 +11,7 @@ import hotswitch as hs
 from hotswitch.compiler.lower import ShardingError
 from hotswitch.models import GPT, GPTConfig
 from tests.compile_checks import (
+    alike_ops_equal_deciding_each,
     assert_equivalent,
     batch,
     lowering_equals_make_fx,
@@ -306,7 +307,17 @@ def check_second_pass_reuses_unchanged_decisions():
             "gpt2": second_pass_equals_deciding_again("gpt2", [hs.DistConfig("tp2", tp=2)])}
 
 
+def check_alike_ops_are_decided_once():
+    """An op of a repeated block whose inputs arrive as the first block's did takes that block's
+    decision, bound to its own inputs: the same decisions as deciding every op on its own, in the
+    search and in a replay at another length, under sequence parallelism (Llama) and data
+    parallelism (our GPT, whose loss reads rows of both dp ranks)."""
+    return {"llama": alike_ops_equal_deciding_each("llama", [hs.DistConfig("tp2sp", tp=2, sp=True)]),
+            "gpt": alike_ops_equal_deciding_each("gpt", [hs.DistConfig("dp2", dp=2)])}
+
+
 results = dist_fixture(2, [check_second_pass_reuses_unchanged_decisions, check_lowering_equals_make_fx,
+                           check_alike_ops_are_decided_once,
                            check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
                            check_learned_positions_with_a_tied_embedding,
                            check_a_warm_cache_replays_decisions, check_a_warm_cache_fits_later_lengths,
@@ -444,6 +455,16 @@ def test_lowering_builds_the_program_make_fx_would_trace(results):
             expected = 3 if model == "gpt" else 1  # tp2sp's program, this rank's pp2 stage, dp2's program
             assert len(differences) >= expected, (model, "programs lowered:", len(differences))
             assert differences == [None] * len(differences), (model, differences)
+
+
+def test_alike_ops_are_decided_once(results):
+    for rank in results["check_alike_ops_are_decided_once"].raise_if_failed():
+        for model, propagations in rank.items():
+            assert "replay" in [how for how, _, _ in propagations], (model, propagations)
+            for how, difference, served in propagations:
+                assert difference is None, (model, how, difference)
+                # the second block's ops (and repeated ops within one): more than a few served
+                assert served > 50, (model, how, served)
 
 
 def test_the_second_pass_reuses_unchanged_decisions(results):
