@@ -93,6 +93,7 @@ class Decision:
     # chosen by DTensor's strategy search with the op's own arguments: its placements alone say what
     # to do at another input shape (`ShardingDecisions`), no search needed
     replayable: bool = False
+    encoded: Any = field(default=..., repr=False, compare=False)  # `_encoded(self)`, once known (...: not yet)
 
     @property
     def spec(self):
@@ -132,11 +133,14 @@ class GraphSharding:
 def _encoded(d: Decision) -> tuple | None:
     """A replayable decision's placements as plain values (`ShardingDecisions.ops`), or None when
     they hold a _StridedShard that is not written relative to an input (`_relative_strided`)."""
+    if d.encoded is not ...:
+        return d.encoded
     # one output: its placements (a tuple); several: a list of those (None: not a tensor)
     out = [None if o is None else o.placements for o in d.out_spec] \
         if isinstance(d.out_spec, (tuple, list)) else d.out_spec.placements
     encoded = dt.encode_placements((tuple(w.placements for w in d.want_specs), out))
-    return _relative_strided(d) if _mentions(encoded, ("SS",)) else encoded
+    d.encoded = _relative_strided(d) if _mentions(encoded, ("SS",)) else encoded
+    return d.encoded
 
 
 def reads_coordinate(sharding: GraphSharding, graph: fx.Graph, mesh_dim: int, extra: tuple = ()) -> bool:
@@ -415,7 +419,7 @@ class _AlikeOps:
         ins = [self.specs[n] for n in self._tensor_nodes]
         want = [now if w is then else w for w, then, now in zip(d.want_specs, d.in_specs, ins)]
         return Decision("op", tensor_nodes=self._tensor_nodes, in_specs=ins, want_specs=want, args=d.args,
-                        kwargs=d.kwargs, out_spec=d.out_spec, replayable=d.replayable)
+                        kwargs=d.kwargs, out_spec=d.out_spec, replayable=d.replayable, encoded=d.encoded)
 
     def put(self, node: fx.Node, how, d: Decision | None) -> Decision | None:
         """`d`, decided for `node` after `get(node, how)` missed; kept when it may stand for others."""
