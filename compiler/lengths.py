@@ -31,9 +31,11 @@ the lines that change replaced (`_CodeTemplate`), not generated again by fx (mos
 """
 from __future__ import annotations
 
+import functools
 import marshal
 import re
 import types
+import weakref
 from dataclasses import dataclass, replace
 from fractions import Fraction
 
@@ -62,6 +64,7 @@ class Affine:
     r: int
 
     @staticmethod
+    @functools.lru_cache(maxsize=4096)  # the same few pairs, over and over (every length-sized dim)
     def through(length_a: int, a: int, length_b: int, b: int) -> Affine:
         slope = Fraction(b - a, length_b - length_a)
         p, r = slope.numerator, slope.denominator
@@ -169,25 +172,37 @@ def _dense_in(t: torch.Tensor, order: tuple[int, ...]) -> bool:
     return True
 
 
-def _fit_val(a, b, la: int, lb: int, where: str):
-    """A node's meta value as the length changes: the value itself where it does not change."""
+def _fit_val(a, b, la: int, lb: int, where: str, memo: dict | None = None):
+    """A node's meta value as the length changes: the value itself where it does not change.
+    `memo`: fits already made for values alike (a repeated block's), by their layouts."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.dtype != b.dtype or a.requires_grad != b.requires_grad or a.dim() != b.dim():
             raise CannotFit(f"{where}: its value changes more than its sizes")
         if a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset():
             return a  # a description, never written to: shared by the programs of every length
-        sizes = tuple(_fit_leaf(x, y, la, lb, where) for x, y in zip(a.shape, b.shape))
-        order, strides = _dense_order(a), None
-        if order is None or not _dense_in(b, order):
-            if a.stride() != b.stride():
-                raise _NotDense  # strides that move with the length, maybe as L * L: not fitted
-            order, strides = (), a.stride()
-        # a storage offset is not read off a program's values (and meta results memoized across
-        # views do not always carry it): the first's, where the two differ
-        return _TensorFit(sizes, strides, order, a.storage_offset(), a.dtype, a.requires_grad)
+        if memo is None:
+            return _fit_tensor(a, b, la, lb, where)
+        key = (a.shape, a.stride(), a.storage_offset(), b.shape, b.stride(), a.dtype, a.requires_grad)
+        fitted = memo.get(key)
+        if fitted is None:
+            fitted = memo[key] = _fit_tensor(a, b, la, lb, where)
+        return fitted
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)) and len(a) == len(b):
-        return type(a)(_fit_val(x, y, la, lb, where) for x, y in zip(a, b))
+        return type(a)(_fit_val(x, y, la, lb, where, memo) for x, y in zip(a, b))
     return _fit_leaf(a, b, la, lb, where)
+
+
+def _fit_tensor(a: torch.Tensor, b: torch.Tensor, la: int, lb: int, where: str) -> _TensorFit:
+    """`_fit_val` of two meta tensors of the same dtype and rank whose layouts differ."""
+    sizes = tuple(_fit_leaf(x, y, la, lb, where) for x, y in zip(a.shape, b.shape))
+    order, strides = _dense_order(a), None
+    if order is None or not _dense_in(b, order):
+        if a.stride() != b.stride():
+            raise _NotDense  # strides that move with the length, maybe as L * L: not fitted
+        order, strides = (), a.stride()
+    # a storage offset is not read off a program's values (and meta results memoized across
+    # views do not always carry it): the first's, where the two differ
+    return _TensorFit(sizes, strides, order, a.storage_offset(), a.dtype, a.requires_grad)
 
 
 def resolved_arguments(node: fx.Node) -> tuple:
@@ -368,7 +383,7 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
         raise CannotFit(f"{len(a_nodes)} nodes at length {length_a} but {len(b_nodes)} at length {length_b}")
     index = {n: i for i, n in enumerate(a_nodes)}
     index.update({n: i for i, n in enumerate(b_nodes)})
-    args, vals = {}, {}
+    args, vals, alike = {}, {}, {}
     for a, b in zip(a_nodes, b_nodes):
         where = f"{a.name} ({a.target})"
         if (a.op, a.target) != (b.op, b.target):  # names may differ: a trace memoized or not names nodes apart
@@ -394,7 +409,7 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
         if varies:
             args[a] = tuple(leaves)
         try:
-            val = _fit_val(a.meta.get("val"), b.meta.get("val"), length_a, length_b, where)
+            val = _fit_val(a.meta.get("val"), b.meta.get("val"), length_a, length_b, where, alike)
         except _NotDense:
             if a.op != "call_function":
                 raise CannotFit(f"{where}: an input whose strides move with the length") from None
@@ -406,7 +421,18 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
 
 def affine_in_length(graph: fx.Graph, length) -> bool:
     """Is every size and every integer value in `graph` (a LogicGraph) of degree at most 1 in the
-    sympy symbol `length`? Then an op's integer arguments, computed from them, are affine too."""
+    sympy symbol `length`? Then an op's integer arguments, computed from them, are affine too.
+    Answered once per graph and symbol (a LogicGraph is never edited; every fit asks)."""
+    known = _AFFINE.setdefault(graph, {})
+    if length not in known:
+        known[length] = _affine_in_length(graph, length)
+    return known[length]
+
+
+_AFFINE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> {symbol: affine_in_length}
+
+
+def _affine_in_length(graph: fx.Graph, length) -> bool:
     def degree_ok(s) -> bool:
         if not isinstance(s, torch.SymInt):
             return True
