@@ -9,7 +9,9 @@ Three kinds of entries, each under a key that hashes everything it depends on:
   (keyed by the graph's code, the mesh's shape and axis names, the placements of the parameters,
   buffers and inputs' dtypes, data and sequence parallelism, strictness), replayed instead of searched.
 - "program": a rank's lowered ExecGraph (`logic_io.dumps_program`), keyed also by the local shapes,
-  the rank's mesh coordinate and the decisions; a rank's own, never shared.
+  the rank's mesh coordinate and the decisions ("shared program": one every dp rank lowers alike,
+  keyed without the dp coordinate); a program written from a length fit is one too, keyed by the
+  keys of the two it was fitted from and its length (`program.fitted_program`).
 
 Every key also holds the torch version, hotswitch's and a digest of the compiler's and kernels' source, so an
 entry written by other code is never read. Where: `$HOTSWITCH_CACHE_DIR`, else
