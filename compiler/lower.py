@@ -47,6 +47,7 @@ from ._torch import (
     with_code,
 )
 from .tp_rules import SIZED_VIEW_OPS, VIEW_OPS
+from .uniform import uniform_dims
 
 _attention.register()  # the attention ops' rules (masked, document), beside DTensor's for aten ops
 
@@ -149,11 +150,13 @@ def reads_coordinate(sharding: GraphSharding, graph: fx.Graph, mesh_dim: int, ex
     Lowering reads a rank's coordinate only to take its own piece of a value: a redistribution into
     a Shard (or _StridedShard) on that dim (which chunk, and with uneven shards its size), a
     vocab-parallel _MaskPartial there (its index offset), and seeded random ops (DTensor's RNG
-    offsets). Two such pieces are the same on every rank: an even piece of a fresh tensor (zeros,
-    full: every chunk holds the same values) and an even reduce-scatter (the collective picks the
-    chunk). Without any other, ranks that differ only on `mesh_dim` and have the same local shapes
-    lower the same program, so one of them lowers it for all (data parallelism's ranks, whose batch
-    pieces are their own inputs). `extra`: (have, want) spec pairs the output plan redistributes."""
+    offsets). Three such pieces are the same on every rank: an even piece of a fresh tensor (zeros,
+    full: every chunk holds the same values), an even piece of a whole value along a dim whose
+    slices are all equal (`uniform.uniform_dims`: HF Llama's attention mask, cut into each dp rank's
+    rows), and an even reduce-scatter (the collective picks the chunk). Without any other, ranks
+    that differ only on `mesh_dim` and have the same local shapes lower the same program, so one of
+    them lowers it for all (data parallelism's ranks, whose batch pieces are their own inputs).
+    `extra`: (have, want) spec pairs the output plan redistributes."""
     def reads(have, want, source=None) -> bool:
         if not isinstance(have, dt.DTensorSpec) or not isinstance(want, dt.DTensorSpec):
             return False
@@ -163,8 +166,10 @@ def reads_coordinate(sharding: GraphSharding, graph: fx.Graph, mesh_dim: int, ex
         if a == b or not isinstance(b, (dt.Shard, dt.StridedShard)):
             return False
         even = isinstance(b, dt.Shard) and want.shape[b.dim] % want.mesh.size(mesh_dim) == 0
-        return not (even and (a.is_partial() or (source is not None and _is_fresh(source))))
+        alike = source is not None and (_is_fresh(source) or (a.is_replicate() and b.dim in uniform.get(source, ())))
+        return not (even and (a.is_partial() or alike))
 
+    uniform = uniform_dims(graph)
     if any(n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
            for n in graph.nodes):
         return True

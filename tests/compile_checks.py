@@ -77,6 +77,9 @@ def assert_equivalent(kind: str, configs, tol: float = 1e-5, extra_seq: int | No
         assert set(state) == set(state_ref)
         assert all(torch.equal(state[k], state_ref[k]) for k in state_ref), config.name
         report[config.name] = collective_counts(cm.exec_graph(config.name))
+        # whether this rank loaded its training program (from a dp rank that lowered it for both)
+        report.setdefault("loaded", {})[config.name] = any(
+            program.loaded for (_, train, _), program in cm._state(config.name).programs.items() if train)
     if extra_seq:  # the LogicGraph is dynamic in the sequence length: another length compiles on demand
         ids2, labels2 = batch(seq=extra_seq, seed=1)
         loss_ref2, grads_ref2 = reference(model, ids2, labels2)
