@@ -286,18 +286,18 @@ def _write_fused(graph: fx.Graph, forward: fx.Node, backward: fx.Node | None, de
         return False  # SDPA's math path (or a kernel without a mask where one is needed): the op stays
     source = forward  # whose meta the nodes written take: the forward op's, then the backward's
 
-    def call(target, *args, **kwargs) -> fx.Node:
+    def made(target, args, kwargs, val) -> fx.Node:  # a node, with the meta kept of its op's
         node = graph.call_function(target, args, kwargs)
         node.meta.update((key, source.meta[key]) for key in keep_meta if key in source.meta)
-        meta = lambda a: meta_like(a.meta["val"]) if isinstance(a, fx.Node) else a  # noqa: E731
-        node.meta["val"] = target(*map_args(meta, args), **map_args(meta, kwargs))  # meta kernels
+        node.meta["val"] = val
         return node
 
+    def call(target, *args, **kwargs) -> fx.Node:
+        meta = lambda a: meta_like(a.meta["val"]) if isinstance(a, fx.Node) else a  # noqa: E731
+        return made(target, args, kwargs, target(*map_args(meta, args), **map_args(meta, kwargs)))  # meta kernels
+
     def item(node, i) -> fx.Node:
-        out = graph.call_function(operator.getitem, (node, i))
-        out.meta.update((key, source.meta[key]) for key in keep_meta if key in source.meta)
-        out.meta["val"] = node.meta["val"][i]
-        return out
+        return made(operator.getitem, (node, i), {}, node.meta["val"][i])
 
     def repeated(t):
         return call(aten.repeat_interleave.self_int, t, rep, 1) if rep > 1 else t

@@ -172,7 +172,7 @@ def _dense_in(t: torch.Tensor, order: tuple[int, ...]) -> bool:
     return True
 
 
-def _fit_val(a, b, la: int, lb: int, where: str, memo: dict | None = None):
+def _fit_val(a, b, la: int, lb: int, where: str, memo: dict):
     """A node's meta value as the length changes: the value itself where it does not change.
     `memo`: fits already made for values alike (a repeated block's), by their layouts."""
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
@@ -180,8 +180,6 @@ def _fit_val(a, b, la: int, lb: int, where: str, memo: dict | None = None):
             raise CannotFit(f"{where}: its value changes more than its sizes")
         if a.shape == b.shape and a.stride() == b.stride() and a.storage_offset() == b.storage_offset():
             return a  # a description, never written to: shared by the programs of every length
-        if memo is None:
-            return _fit_tensor(a, b, la, lb, where)
         key = (a.shape, a.stride(), a.storage_offset(), b.shape, b.stride(), a.dtype, a.requires_grad)
         fitted = memo.get(key)
         if fitted is None:

@@ -157,6 +157,8 @@ def reads_coordinate(sharding: GraphSharding, graph: fx.Graph, mesh_dim: int, ex
     that differ only on `mesh_dim` and have the same local shapes lower the same program, so one of
     them lowers it for all (data parallelism's ranks, whose batch pieces are their own inputs).
     `extra`: (have, want) spec pairs the output plan redistributes."""
+    uniform = uniform_dims(graph)
+
     def reads(have, want, source=None) -> bool:
         if not isinstance(have, dt.DTensorSpec) or not isinstance(want, dt.DTensorSpec):
             return False
@@ -166,10 +168,10 @@ def reads_coordinate(sharding: GraphSharding, graph: fx.Graph, mesh_dim: int, ex
         if a == b or not isinstance(b, (dt.Shard, dt.StridedShard)):
             return False
         even = isinstance(b, dt.Shard) and want.shape[b.dim] % want.mesh.size(mesh_dim) == 0
-        alike = source is not None and (_is_fresh(source) or (a.is_replicate() and b.dim in uniform.get(source, ())))
-        return not (even and (a.is_partial() or alike))
+        same_pieces = source is not None and (
+            _is_fresh(source) or (a.is_replicate() and b.dim in uniform.get(source, ())))
+        return not (even and (a.is_partial() or same_pieces))
 
-    uniform = uniform_dims(graph)
     if any(n.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ())
            for n in graph.nodes):
         return True
@@ -364,21 +366,16 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
             continue
         if node.op == "output":
             break
-        d = None
-        if decided is not None:
-            placements = decided.ops.get(node.name)
-            d = alike.get(node, ("replay", placements)) if placements is not None else None
-            if d is None:
-                d = alike.put(node, ("replay", placements), _replay(node, placements, mesh, specs, values))
+        placements = decided.ops.get(node.name) if decided is not None else None
+        d = None if placements is None else alike.decision(
+            node, ("replay", placements), lambda: _replay(node, placements, mesh, specs, values))
         if d is not None:
             replayed += 1
         else:
             d = _as_before(earlier[node], specs) if node in earlier else None
             if d is None:
-                d = alike.get(node, "decide")
-            if d is None:
-                d = alike.put(node, "decide", _decide(node, mesh, specs, values, pinned_nodes, strict,
-                                                      rows_sharded=cp_axis is not None))
+                d = alike.decision(node, "decide", lambda: _decide(node, mesh, specs, values, pinned_nodes, strict,
+                                                                   rows_sharded=cp_axis is not None))
             if d.replayable and d.kind == "op" and _encoded(d) is not None:
                 searched.append(node.name)
         if d.kind == "op" and _has_partial(d.out_spec) and node not in keep_partial:
@@ -411,32 +408,27 @@ class _AlikeOps:
     def __init__(self, specs: dict, values: dict, pinned_nodes):
         self.specs, self.values, self.pinned = specs, values, pinned_nodes
         self.seen: dict[tuple, Decision] = {}
-        self._key: tuple | None = None  # the key `get` missed, for the `put` that follows it
-        self._tensor_nodes: list = []
 
-    def get(self, node: fx.Node, how) -> Decision | None:
-        self._key = key = self._key_of(node, how)
-        if key is None:
-            return None
+    def decision(self, node: fx.Node, how, decide) -> Decision | None:
+        """An alike op's decision bound to `node`'s inputs, else `decide()` (kept for the ops alike
+        `node` where it may stand for them)."""
+        found = self._key_of(node, how)
+        if found is None:
+            return decide()
+        key, tensor_nodes = found
         d = self.seen.get(key)
         if d is None:
-            return None
-        ins = [self.specs[n] for n in self._tensor_nodes]
+            d = decide()
+            if d is not None and d.kind == "op" and d.replayable and not _mentions_per_use_placements(d):
+                self.seen[key] = d
+            return d
+        ins = [self.specs[n] for n in tensor_nodes]
         want = [now if w is then else w for w, then, now in zip(d.want_specs, d.in_specs, ins)]
-        return Decision("op", tensor_nodes=self._tensor_nodes, in_specs=ins, want_specs=want, args=d.args,
+        return Decision("op", tensor_nodes=tensor_nodes, in_specs=ins, want_specs=want, args=d.args,
                         kwargs=d.kwargs, out_spec=d.out_spec, replayable=d.replayable, encoded=d.encoded)
 
-    def put(self, node: fx.Node, how, d: Decision | None) -> Decision | None:
-        """`d`, decided for `node` after `get(node, how)` missed; kept when it may stand for others."""
-        if d is not None and self._key is not None and d.kind == "op" and d.replayable and not any(
-                isinstance(p, (dt.MaskPartial, dt.StridedShard))
-                for spec in (*d.want_specs, *(d.out_spec if isinstance(d.out_spec, (tuple, list)) else (d.out_spec,)))
-                if isinstance(spec, dt.DTensorSpec) for p in spec.placements):
-            self.seen[self._key] = d
-        self._key = None
-        return d
-
-    def _key_of(self, node: fx.Node, how) -> tuple | None:
+    def _key_of(self, node: fx.Node, how) -> tuple[tuple, list[fx.Node]] | None:
+        """(what decides `node`, its tensor inputs), or None for an op not keyed."""
         target = node.target
         if not isinstance(target, OpOverload) or target in _SYM_OPS or target in _DROP_OPS:
             return None
@@ -446,8 +438,7 @@ class _AlikeOps:
             if isinstance(a, fx.Node):
                 if _is_tensor_node(a):
                     spec = self.specs.get(a)
-                    if not isinstance(spec, dt.DTensorSpec) or any(
-                            isinstance(p, (dt.MaskPartial, dt.StridedShard)) for p in spec.placements):
+                    if not isinstance(spec, dt.DTensorSpec) or _per_use(spec):
                         raise _NotAlike
                     tensor_nodes.append(a)
                     inputs.append((spec, a in self.pinned, _is_fresh(a)))
@@ -470,12 +461,22 @@ class _AlikeOps:
             hash(key)
         except (_NotAlike, TypeError):
             return None
-        self._tensor_nodes = tensor_nodes
-        return key
+        return key, tensor_nodes
 
 
 class _NotAlike(Exception):
     """An op `_AlikeOps` does not key."""
+
+
+def _per_use(spec) -> bool:
+    """Does `spec` hold a _MaskPartial or a _StridedShard (see `_AlikeOps`)?"""
+    return isinstance(spec, dt.DTensorSpec) and any(isinstance(p, (dt.MaskPartial, dt.StridedShard))
+                                                    for p in spec.placements)
+
+
+def _mentions_per_use_placements(d: Decision) -> bool:
+    outs = d.out_spec if isinstance(d.out_spec, (tuple, list)) else (d.out_spec,)
+    return any(_per_use(spec) for spec in (*d.want_specs, *outs))
 
 
 _TENSOR = object()  # a tensor input's place among an op's arguments (its spec is keyed apart)

@@ -285,19 +285,20 @@ def alike_ops_equal_deciding_each(kind: str, configs, lengths=(SEQ, 16)) -> list
     import hotswitch.compiler.program as program
 
     found: list[tuple[str, str | None, int]] = []
-    original, get = program.propagate_graph, lower._AlikeOps.get
+    original, decision = program.propagate_graph, lower._AlikeOps.decision
     served = [0]
 
-    def counted(self, node, how):
-        d = get(self, node, how)
-        served[0] += d is not None
+    def counted(self, node, how, decide):
+        decided = []
+        d = decision(self, node, how, lambda: decided.append(1) or decide())
+        served[0] += not decided  # an alike op's decision, nothing decided for this one
         return d
 
     def both(*args, **kwargs):
         served[0] = 0
-        with mock.patch.object(lower._AlikeOps, "get", counted):
+        with mock.patch.object(lower._AlikeOps, "decision", counted):
             got = original(*args, **kwargs)
-        with mock.patch.object(lower._AlikeOps, "get", lambda self, node, how: None):
+        with mock.patch.object(lower._AlikeOps, "decision", lambda self, node, how, decide: decide()):
             alone = original(*args, **kwargs)
         found.append(("search" if kwargs.get("decided") is None else "replay", _first_difference(got, alone),
                       served[0]))
