@@ -1,7 +1,7 @@
 """Compile time against depth and against the number of sequence lengths, cold and warm cache.
 
     python benchmarks/compile_time.py [--layers 2,8] [--lengths 1,4] [--configs dp2tp2,tp4sp]
-                                      [--world-size 4] [--json PATH]
+                                      [--world-size 4] [--dynamic] [--json PATH]
 
 The model is a Hugging Face Llama (hidden 256, 8 heads, intermediate 512, random weights) with
 `--layers` layers, trained on packed rows (`PackedCausalLMLoss`: input ids, positions, labels) of
@@ -12,7 +12,10 @@ DTensor's strategies, the second length replays its decisions, and later lengths
 the fit of those two programs (`hotswitch.compiler.lengths`). Each depth runs twice in fresh
 processes, first with an empty compile cache (cold) and then with the cache the first run left
 (warm: decisions replayed from disk). For scale, rank 0 also times `torch.export` of the same
-model alone. Times are the slowest rank's.
+model alone. `--dynamic` adds a third run per depth, cold, compiled with `dynamic=True`: each
+config is lowered at 64 and (its decisions replayed) at 32 and fitted while compiling, so every
+further length is written from the fit; its "first" column is that whole compile of the config.
+Times are the slowest rank's.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ def _model(layers: int):
     return PackedCausalLMLoss(LlamaForCausalLM(config))
 
 
-def measure(rank: int, layers: int, config_names: tuple[str, ...], lengths: int) -> dict | None:
+def measure(rank: int, layers: int, config_names: tuple[str, ...], lengths: int,
+            dynamic: bool | None = None) -> dict | None:
     import torch
     import torch.distributed as dist
 
@@ -57,7 +61,7 @@ def measure(rank: int, layers: int, config_names: tuple[str, ...], lengths: int)
         export_seconds = time.perf_counter() - t
     dist.barrier()
     t = time.perf_counter()
-    cm = hs.compile(model, full_length_micro_batch(4, 64), configs=list(config_names))
+    cm = hs.compile(model, full_length_micro_batch(4, 64), configs=list(config_names), dynamic=dynamic)
     total = time.perf_counter() - t
     first = {c: cm.compile_seconds(c) for c in config_names}
     later: dict[str, list[float]] = {c: [] for c in config_names}
@@ -108,6 +112,8 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="1,4", help="numbers of distinct sequence lengths (default 1,4)")
     p.add_argument("--configs", default="dp2tp2,tp4sp")
     p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--dynamic", action="store_true",
+                   help="also compile with dynamic=True (fitted in the length while compiling), cold")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     from hotswitch.distributed.launch import launch
@@ -118,14 +124,18 @@ def main(argv=None) -> int:
     for layers in (int(x) for x in args.layers.split(",")):
         cache = tempfile.mkdtemp(prefix="hotswitch-bench-cache-")
         os.environ["HOTSWITCH_CACHE_DIR"] = cache
-        for label in ("cold", "warm"):
+        for label in ("cold", "warm") + (("cold, dynamic",) if args.dynamic else ()):
+            if label == "cold, dynamic":
+                os.environ["HOTSWITCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="hotswitch-bench-cache-")
             print(f"{layers} layers, {label} cache ...", flush=True)
-            row = launch(measure, args.world_size, layers, tuple(configs), lengths)
+            row = launch(measure, args.world_size, layers, tuple(configs), lengths,
+                         True if label == "cold, dynamic" else None)
             row["cache"] = label
             rows.append(row)
     render(rows, configs)
     cold = {r["layers"]: r for r in rows if r["cache"] == "cold"}
     warm = {r["layers"]: r for r in rows if r["cache"] == "warm"}
+    dynamic = {r["layers"]: r for r in rows if r["cache"] == "cold, dynamic"}
     for layers, r in cold.items():
         lowering = sum(r["first_lowering_s"].values())
         print(f"{layers} layers: trace / torch.export {r['trace_s'] / r['export_s']:.2f}; warm / cold lowering "
@@ -137,6 +147,12 @@ def main(argv=None) -> int:
                   + "; later lengths / first lowering "
                   + ", ".join(f"{c} {_mean(r['new_length_s'][c][1:]) / r['first_lowering_s'][c]:.2f}"
                               for c in configs))
+        if layers in dynamic:  # the same lengths, every one after the first written from a fit made in compile
+            d = dynamic[layers]
+            print(f"{layers} layers, dynamic=True: compile of each config / first lowering "
+                  + ", ".join(f"{c} {d['first_lowering_s'][c] / r['first_lowering_s'][c]:.2f}" for c in configs)
+                  + "; new length / first lowering "
+                  + ", ".join(f"{c} {_mean(d['new_length_s'][c]) / r['first_lowering_s'][c]:.2f}" for c in configs))
     depths = sorted(cold)
     if len(depths) > 1:
         a, b = cold[depths[0]], cold[depths[-1]]

@@ -10,8 +10,8 @@ Three kinds of entries, each under a key that hashes everything it depends on:
   buffers and inputs' dtypes, data and sequence parallelism, strictness), replayed instead of searched.
 - "program": a rank's lowered ExecGraph (`logic_io.dumps_program`), keyed also by the local shapes,
   the rank's mesh coordinate and the decisions ("shared program": one every dp rank lowers alike,
-  keyed without the dp coordinate); a program written from a length fit is one too, keyed by the
-  keys of the two it was fitted from and its length (`program.fitted_program`).
+  keyed without the dp coordinate). A program written from a length fit is not cached: a later
+  process fits the two cached programs again, which costs less than writing every length.
 
 Every key also holds the torch version, hotswitch's and a digest of the compiler's and kernels' source, so an
 entry written by other code is never read. Where: `$HOTSWITCH_CACHE_DIR`, else

@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import sympy
 import torch
@@ -49,8 +48,7 @@ from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
 from .trace import LogicGraph
 
-__all__ = ["StageMesh", "StageProgram", "constants_digest", "fit_programs", "fitted_program", "lower_program",
-           "program_at"]
+__all__ = ["StageMesh", "StageProgram", "constants_digest", "fit_programs", "lower_program", "program_at"]
 
 
 @dataclass(frozen=True)
@@ -106,11 +104,6 @@ class StageProgram:
     mixes_rows: tuple[str, ...] = ()
     replayed_all: bool = False  # every decision replayed from another shape's, none searched again
     fitted: tuple[int, int] | None = None  # not lowered: written from the programs at these two lengths (`program_at`)
-    # the compile cache's entry holding this program (None: not cached), and whether every dp rank
-    # reads that one entry ("shared program"): a program fitted from two cached ones is cached under
-    # a key made of theirs (`fitted_program`)
-    key: str | None = None
-    shared: bool = False
 
 
 def _concrete(size, values: dict) -> int:
@@ -162,9 +155,9 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`;
     it also keeps the redistributions `lower` traced);
     `decided`: the same graph's decisions under the same placements at another shape, replayed
-    instead of searched (the program's `decisions` are what to pass next time); `cache`: a persistent
-    CompileCache, or one with its get / put / key / failed / report that also shares entries between
-    ranks (the runtime's), consulted for the decisions when `decided` is None (filled after a
+    instead of searched (the program's `decisions` are what to pass next time); `cache`: the compile cache
+    as the runtime consults it (`SharedCache`: get / put / keeps / key / failed / report, on disk and
+    between ranks), consulted for the decisions when `decided` is None (filled after a
     search) and for this rank's program ("program"; "shared program" for one every dp rank lowers alike)."""
     t0 = time.perf_counter()
     if reduce and stage is not None:
@@ -262,15 +255,11 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             return None, None, (), False
 
     sharding, propagate_seconds, gm, deferred_specs, mixed, replayed_all = None, 0.0, None, None, (), False
-    entry_key, entry_shared = None, False  # where this program is cached
     if cache is not None and decided is not None:  # this rank's very program, lowered by an earlier process
         for any_dp in ((True, False) if dp_dim is not None else (False,)):
-            looked_up = program_key(decided, any_dp)
-            entry = cache.get(looked_up, "program")
+            entry = cache.get(program_key(decided, any_dp), "program")
             if entry is not None:
                 gm, deferred_specs, mixed, replayed_all = load(entry)
-                if gm is not None:
-                    entry_key, entry_shared = looked_up, any_dp
                 break
     # graph -> did its last program leave the dp coordinate unread (`reads_coordinate`)? Then one with
     # the same decisions does too: it is looked up, or claimed, before the decisions are replayed
@@ -282,8 +271,6 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         entry = cache.get(claimed, "shared program")
         if entry is not None:
             gm, deferred_specs, mixed, replayed_all = load(entry)
-            if gm is not None:
-                entry_key, entry_shared = claimed, True
             claimed = None  # another rank lowered it; nothing of ours to publish
     loaded = gm is not None
     if loaded:
@@ -339,8 +326,6 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             if entry is not None:
                 gm, deferred_specs, mixed, replayed_all = load(entry)
                 loaded = gm is not None
-                if loaded:
-                    entry_key, entry_shared = shared, True
                 shared = None  # nothing to publish: another rank (or an earlier process) lowered it
         if key is not None and decided is None:
             # published once this rank has claimed the shared program it lowers: a dp rank that the
@@ -360,7 +345,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             mixed = mixes_rows(sharding, dp_dim) if dp_dim is not None else ()
             replayed_all = sharding.replayed > 0 and not sharding.searched
             data = None
-            if cache is not None:
+            if cache is not None and cache.keeps("shared program" if shared is not None else "program"):
                 try:
                     data = dumps_program(gm, {name: i for i, name in enumerate(groups)})
                 except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
@@ -368,11 +353,9 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             if data is not None:
                 entry = (data, [dt.encode_spec(s) for s in deferred_specs], mixed, replayed_all)
                 if shared is not None:
-                    entry_key, entry_shared = shared, True
                     cache.put(shared, entry, "shared program")
                 else:
-                    entry_key = program_key(decided if decided is not None else decisions)
-                    cache.put(entry_key, entry, "program")
+                    cache.put(program_key(decided if decided is not None else decisions), entry, "program")
             elif shared is not None:
                 cache.failed(shared)
     gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
@@ -389,8 +372,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=deferred_specs,
         param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
         decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded,
-        mixes_rows=mixed, replayed_all=replayed_all, key=entry_key,
-        shared=entry_shared)
+        mixes_rows=mixed, replayed_all=replayed_all)
 
 
 def fit_programs(logic: LogicGraph, first: StageProgram, length_a: int, second: StageProgram,
@@ -412,22 +394,16 @@ def fit_programs(logic: LogicGraph, first: StageProgram, length_a: int, second: 
 def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes: tuple) -> StageProgram:
     """The program of `fitted` at sequence length `length` (raises CannotFit where it does not
     hold, or where its fused attention kernels are not SDPA's choice there): `like` (one of the two
-    fitted) with its graph written at that length."""
+    fitted) with its graph written at that length. Not cached: writing one (0.04 s for an 8-layer
+    Llama) costs less than writing it to disk, and a later process fits the two cached programs."""
     t0 = time.perf_counter()
     gm = fitted.at(length)
     reason = kernels_hold(gm.graph)
     if reason is not None:
         raise CannotFit(reason)
-    return _at_length(like, gm, local_shapes, fitted.lengths, t0)
-
-
-def _at_length(like: StageProgram, gm: fx.GraphModule, local_shapes: tuple, lengths: tuple[int, int],
-               t0: float, loaded: bool = False) -> StageProgram:
-    """`like` (a program of the fit) with `gm`, its graph at another length, in its place."""
     gm.meta["hotswitch"] = {**like.joint.meta["hotswitch"], "local_shapes": tuple(local_shapes), "sharding": None}
     # a stage's boundary: the last placeholders are the activations and the gradients it receives
-    received = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"] if like.recv_acts or like.recv_grads \
-        else []  # (none: its graph left unread, as a loaded one's is until something reads it)
+    received = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
     received = received[len(received) - len(like.recv_acts) - len(like.recv_grads):]
     received = [(tuple(v.shape), v.dtype) for v in received]
     forward, backward = gm, None
@@ -436,43 +412,4 @@ def _at_length(like: StageProgram, gm: fx.GraphModule, local_shapes: tuple, leng
                                                       tuple(range(like.n_acts_out + like.n_losses)))
     return replace(like, joint=gm, forward=forward, backward=backward, recv_acts=received[:len(like.recv_acts)],
                    recv_grads=received[len(like.recv_acts):], seconds=time.perf_counter() - t0,
-                   propagate_seconds=0.0, replayed=0, loaded=loaded, replayed_all=False, fitted=lengths, key=None,
-                   shared=False)
-
-
-def fitted_program(fitted: Callable[[], LengthFit], lowered: list[tuple[int, StageProgram]], length: int,
-                   local_shapes: tuple, mesh: dt.DeviceMesh, cache: CompileCache | None = None) -> StageProgram:
-    """`program_at` the fit of the two `lowered` (length, program) pairs, looked up in the compile
-    cache first: a program fitted once is the same in every later process (and, fitted from two
-    programs every dp rank shares, on every dp rank), so a warm process neither fits nor writes it.
-    `fitted()` gives the fit (computed on first call, by the caller); CannotFit as `program_at`."""
-    t0 = time.perf_counter()
-    (length_a, first), (length_b, second) = lowered
-    key = kind = None
-    if cache is not None and first.key is not None and second.key is not None:
-        kind = "shared program" if first.shared and second.shared else "program"
-        key = cache.key("fitted", first.key, length_a, second.key, length_b, length, tuple(map(tuple, local_shapes)))
-        entry = cache.get(key, kind)
-        groups = [mesh.get_group(i).group_name for i in range(mesh.ndim)]
-        if entry is not None:
-            try:
-                return _at_length(first, loads_program(entry, groups), local_shapes, (length_a, length_b), t0,
-                                  loaded=True)
-            except Exception as e:  # noqa: BLE001 - an entry from another torch build, say: fit it again
-                cache.report(f"a cached fitted ExecGraph did not load ({type(e).__name__}: {e}); it is fitted again")
-    try:
-        program = program_at(fitted(), first, length, local_shapes)
-    except BaseException:
-        if kind == "shared program":
-            cache.failed(key)  # the dp ranks waiting for it fit it themselves (and refuse alike)
-        raise
-    if key is not None:
-        try:
-            data = dumps_program(program.joint, {name: i for i, name in enumerate(groups)})
-        except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
-            data = None
-        if data is not None:
-            cache.put(key, data, kind)
-        elif kind == "shared program":
-            cache.failed(key)
-    return program
+                   propagate_seconds=0.0, replayed=0, loaded=False, replayed_all=False, fitted=fitted.lengths)

@@ -206,8 +206,9 @@ def check_a_warm_cache_replays_decisions():
 
 
 def check_a_warm_cache_fits_later_lengths():
-    """A second compiled model loads the programs of the first two lengths from disk, and the third
-    and fourth as the first model fitted them: nothing fitted again, the same code and numbers. Every
+    """A second compiled model loads the programs of the first two lengths from disk and fits the
+    third and fourth from them (fitted programs are not written to disk: writing one again costs
+    less): the same code and numbers as the first model's. Every
     program, lowered, loaded or fitted, holds torch's fused attention kernels already: the runner
     runs it as it is, with no rewrite at its first step. A third model finds entries that do not load
     (written by another torch build, say): it warns, lowers and fits again, with the same numbers."""
@@ -316,11 +317,55 @@ def check_alike_ops_are_decided_once():
             "gpt": alike_ops_equal_deciding_each("gpt", [hs.DistConfig("dp2", dp=2)])}
 
 
+def check_dynamic_lengths():
+    """`dynamic=True` fits a config in the sequence length while compiling (the example's length and
+    half of it), so a first step at any later length runs a program written from that fit: the same
+    program as a replay there, with one device's numbers. `dynamic=False` lowers every length; an
+    odd example length is not fitted, and the progress says so."""
+    import os
+
+    from tests.reference_lowering import same_program
+
+    model = make_model("llama")
+    config = hs.DistConfig("tp2sp", tp=2, sp=True)
+    os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered or fitted here, none loaded
+    try:
+        said, odd_said = [], []
+        dynamic = hs.compile(model, batch(), [config], dynamic=True, progress=said.append)
+        fits_at_compile = [f.fit is not None for f in dynamic._state(config.name).lengths.values()]
+        fixed = hs.compile(model, batch(), [config], dynamic=False, logic=dynamic.logic)
+        odd = hs.compile(model, batch(seq=11), [config], dynamic=True, logic=dynamic.logic,
+                         progress=odd_said.append)
+    finally:
+        del os.environ["HOTSWITCH_CACHE"]
+    out = {"fits_at_compile": fits_at_compile, "said": said, "odd_said": odd_said,
+           "odd_fits": [f.fit is not None for f in odd._state(config.name).lengths.values()]}
+    for seq in (16, 20, 24):
+        ids, labels = batch(seq=seq)
+        loss_ref, grads_ref = reference(model, ids, labels)
+        row, programs = {}, []
+        for label, cm in (("dynamic", dynamic), ("fixed", fixed)):
+            gm = cm.exec_graph(config.name, (tuple(ids.shape), tuple(labels.shape)))
+            programs.append(gm)
+            (program,) = [p for p in cm._state(config.name).programs.values() if p.joint is gm]
+            cm.zero_grad()
+            loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
+            grads = cm.full_grads()
+            row[label] = dict(fitted=program.fitted, loss=float(loss),
+                              loss_err=abs(loss.item() - loss_ref.item()) / loss_ref.item(),
+                              grad_err=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
+        row["difference"] = same_program(*programs, portable=True)
+        out[seq] = row
+    out["fixed_fits"] = [f.fit is not None for f in fixed._state(config.name).lengths.values()]
+    return out
+
+
 results = dist_fixture(2, [check_second_pass_reuses_unchanged_decisions, check_lowering_equals_make_fx,
                            check_alike_ops_are_decided_once,
                            check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
                            check_learned_positions_with_a_tied_embedding,
                            check_a_warm_cache_replays_decisions, check_a_warm_cache_fits_later_lengths,
+                           check_dynamic_lengths,
                            check_gradient_buckets_reduce_behind_the_backward,
                            check_waits_sit_where_results_are_read, check_wrong_device_count,
                            check_tp_not_dividing_heads, check_unknown_config, check_op_without_rule,
@@ -429,9 +474,8 @@ def test_a_warm_cache_fits_later_lengths(results):
         assert [cold[s]["fitted"] for s in (12, 16, 20, 24)] == [None, None, (12, 16), (12, 16)], cold
         assert [warm[s]["loaded"] for s in (12, 16)] == [True, True], warm  # from the first model's disk
         assert [warm[s]["fitted"] for s in (20, 24)] == [(12, 16), (12, 16)], warm
-        # the fitted programs too, as the first model wrote them: the warm model never fits
-        assert [cold[s]["loaded"] for s in (20, 24)] == [False, False] and cold[24]["fits"] == [True], cold
-        assert [warm[s]["loaded"] for s in (20, 24)] == [True, True] and warm[24]["fits"] == [False], warm
+        for run in (cold, warm):  # fitted from the two programs, in each process
+            assert [run[s]["loaded"] for s in (20, 24)] == [False, False] and run[24]["fits"] == [True], run
         assert all(warm[s]["loss"] == cold[s]["loss"] and warm[s]["code"] == cold[s]["code"] for s in (12, 16, 20, 24))
         assert cold["warned"] == warm["warned"] == []
         # entries that do not load: said once, then lowered (the decisions replayed) and fitted again
@@ -447,6 +491,21 @@ def test_a_warm_cache_fits_later_lengths(results):
                 assert r["attention"] == ["aten._scaled_dot_product_flash_attention_for_cpu.default"] * layers + [
                     "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"] * layers, (seq, r["attention"])
                 assert r["runs_as_lowered"], seq
+
+
+def test_dynamic_lengths(results):
+    for r in results["check_dynamic_lengths"].raise_if_failed():
+        assert r["fits_at_compile"] == [True], r["fits_at_compile"]
+        assert any("fitted in the sequence length from lengths 6 and 12" in m for m in r["said"]), r["said"]
+        for seq in (16, 20, 24):
+            dynamic, fixed = r[seq]["dynamic"], r[seq]["fixed"]
+            assert dynamic["fitted"] == (12, 6) and fixed["fitted"] is None, (seq, dynamic, fixed)
+            assert r[seq]["difference"] is None, (seq, r[seq]["difference"])
+            assert dynamic["loss"] == fixed["loss"], seq
+            for run in (dynamic, fixed):
+                assert run["loss_err"] < 1e-5 and run["grad_err"] < 1e-4, (seq, run)
+        assert r["fixed_fits"] == [False], r["fixed_fits"]  # three lengths after the first, none fitted
+        assert r["odd_fits"] == [False] and any("11, is odd" in m for m in r["odd_said"]), r["odd_said"]
 
 
 def test_lowering_builds_the_program_make_fx_would_trace(results):

@@ -24,7 +24,7 @@ from hotswitch.compiler.garbage import collector_paused
 from hotswitch.compiler.handoff import handing_off
 from hotswitch.compiler.lengths import CannotFit, LengthFit
 from hotswitch.compiler.lower import ShardingDecisions
-from hotswitch.compiler.program import StageMesh, StageProgram, fit_programs, fitted_program, lower_program
+from hotswitch.compiler.program import StageMesh, StageProgram, fit_programs, lower_program, program_at
 from hotswitch.compiler.signature import ModelCall
 from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
@@ -62,6 +62,7 @@ class ConfigState:
     # inside (reduce=True, one forward_backward call under pp = 1) or deferred (micro-batches, pp > 1)
     programs: dict[tuple, StageProgram] = field(default_factory=dict)
     compile_seconds: dict[tuple, float] = field(default_factory=dict)
+    fit_seconds: float = 0.0  # spent fitting programs in the length (`compiler.lengths`)
     last_shapes: tuple | None = None
     layouts: dict | None = None  # parameter name -> distconfig Layout, built on first use
     # pp > 1: `full_mesh` is (pp, dp, cp, tp) and `mesh` this rank's stage's slice of it
@@ -86,7 +87,8 @@ class ConfigState:
 class CompiledModel:
     def __init__(self, model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
                  topology: Topology | None = None, lazy: bool = False, progress=None,
-                 logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager"):
+                 logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager",
+                 dynamic: bool | None = None):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU), on every rank")
@@ -106,6 +108,9 @@ class CompiledModel:
         self._plans = PlanCache()
         self.last_switch: SwitchStats | None = None
         self._configs = tuple(configs)
+        if dynamic is not None and not isinstance(dynamic, bool):
+            raise ValueError(f"dynamic must be None, True or False, got {dynamic!r}")
+        self.dynamic = dynamic  # how new sequence lengths are compiled: see `compile`
         self._report = report = progress or (lambda message: None)
         t0 = time.perf_counter()
         # sharding decisions and the LogicGraph: computed by one rank for all, and kept on disk for
@@ -671,7 +676,7 @@ class CompiledModel:
 
     def compile_seconds(self, name: str) -> float:
         st = self._state(name)
-        return sum(st.compile_seconds.values())
+        return sum(st.compile_seconds.values()) + st.fit_seconds
 
     # ------------------------------------------------------------------------------------ internals
     def _state(self, name: str) -> ConfigState:
@@ -931,8 +936,7 @@ class CompiledModel:
                 "" if train else " (forward only)") + (f", stage {st.stage}" if stage is not None else "")
             program = self._fitted(st, key)
             if program is not None:
-                how = f"fitted from lengths {program.fitted[0]} and {program.fitted[1]}" + (
-                    ", loaded: the compile cache or another dp rank had it" if program.loaded else "")
+                how = f"fitted from lengths {program.fitted[0]} and {program.fitted[1]}"
             else:
                 self._report(f"lowering {what}")
                 program = lower_program(self.logic, stage, st.where, self._buffers, key[0],
@@ -950,6 +954,8 @@ class CompiledModel:
             self._report(f"lowered {what} in {program.seconds:.1f} s ({how})")
             st.programs[key] = program
             st.compile_seconds[key] = program.seconds
+            if self.dynamic:
+                self._fit_now(st, key)
         return st.programs[key]
 
     def _by_length(self, key: tuple) -> tuple[tuple, int] | None:
@@ -972,32 +978,59 @@ class CompiledModel:
                 family.lowered.append((found[1], program))
 
     def _fitted(self, st: ConfigState, key: tuple) -> StageProgram | None:
-        """The program for `key` written from the fit of two earlier lengths (`compiler.lengths`), or
-        loaded where an earlier process (or another dp rank) wrote it; None: fewer than two lowered
-        yet, they do not fit, or the fit does not hold at this length."""
+        """The program for `key` written from the fit of two earlier lengths (`compiler.lengths`); None:
+        fewer than two lowered yet, they do not fit, the fit does not hold at this length, or
+        `dynamic=False`."""
         found = self._by_length(key)
         family = st.lengths.get(found[0]) if found is not None else None
-        if family is None or len(family.lowered) < 2 or family.refused is not None:
+        if self.dynamic is False or family is None or len(family.lowered) < 2 or family.refused is not None:
             return None
-
-        def fitted() -> LengthFit:
-            if family.fit is None:
-                (length_a, first), (length_b, second) = family.lowered
-                try:
-                    family.fit = fit_programs(self.logic, first, length_a, second, length_b)
-                except CannotFit as e:
-                    family.refused = str(e)
-                    raise
-            return family.fit
-
         try:
-            return fitted_program(fitted, family.lowered, found[1], key[0], st.mesh, self._cache)
+            return program_at(self._length_fit(st, family), family.lowered[0][1], found[1], key[0])
         except CannotFit as e:
             if family.refused is not None:
                 self._report(f"{st.config.name}: every sequence length is lowered ({e})")
             else:
                 self._report(f"{st.config.name}: length {found[1]} is lowered ({e})")
             return None
+
+    def _length_fit(self, st: ConfigState, family: LengthFamily) -> LengthFit:
+        """The fit of `family`'s two lowered programs, computed once (CannotFit: why not, kept)."""
+        if family.fit is None:
+            (length_a, first), (length_b, second) = family.lowered
+            t0 = time.perf_counter()
+            try:
+                family.fit = fit_programs(self.logic, first, length_a, second, length_b)
+            except CannotFit as e:
+                family.refused = str(e)
+                raise
+            finally:
+                st.fit_seconds += time.perf_counter() - t0
+        return family.fit
+
+    def _fit_now(self, st: ConfigState, key: tuple) -> None:
+        """`dynamic=True`: after the first program at some rows (`key`), the program at half its
+        length (its decisions replayed) and the fit of the two, so that no later length at these rows
+        is lowered. Where that fails the lengths are lowered one by one, as with `dynamic=False`."""
+        found = self._by_length(key)
+        family = st.lengths.get(found[0]) if found is not None else None
+        if family is None or len(family.lowered) != 1 or family.fit is not None or family.refused is not None:
+            return  # not a program in the length, or its rows are fitted (or being fitted) already
+        length = found[1]
+        if length % 2:
+            family.refused = f"the first length, {length}, is odd: no second length to fit with was chosen"
+            self._report(f"{st.config.name}: every sequence length is lowered ({family.refused})")
+            return
+        half = tuple((s[0], length // 2, *s[2:]) if along_seq else s for s, along_seq in zip(key[0], self._sequence_inputs))
+        try:
+            self._program(st, half, train=key[1], reduce=key[2])
+            self._length_fit(st, family)
+        except Exception as e:  # noqa: BLE001 - a length the sharding does not divide, say: no fit, no harm
+            family.refused = family.refused or f"{type(e).__name__}: {e}"
+            self._report(f"{st.config.name}: every sequence length is lowered (no fit at lengths {length // 2} and "
+                         f"{length}: {family.refused})")
+            return
+        self._report(f"{st.config.name}: fitted in the sequence length from lengths {length // 2} and {length}")
 
     def _pipelined(self, st: ConfigState, local_inputs, micro_batches, schedule, grad_scale: float, train: bool):
         """One step as micro-batches (and pipeline stages): see forward_backward and hotswitch.pipeline."""
@@ -1110,7 +1143,8 @@ def _cp_tokens(layout: str, document_ids: torch.Tensor, cp: int, rank: int) -> t
 
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
             topology: Topology | None = None, lazy: bool = False, progress=None,
-            logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager") -> CompiledModel:
+            logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager",
+            dynamic: bool | None = None) -> CompiledModel:
     """Trace `model` once and compile it for every config.
 
     `model`: forward returns a scalar mean loss, or an object or dict with a `loss` entry (Hugging
@@ -1127,6 +1161,12 @@ def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = T
     the last two move tokens and need a model whose attention reads `document_ids`.
     `backend`: "eager" runs each ExecGraph op by op; "inductor" compiles it with Inductor on its first
     run (kept with the program; a graph Inductor refuses runs eagerly, with a warning saying why).
+    `dynamic`, as torch.compile's, says how sequence lengths other than the first are compiled
+    (`hotswitch.compiler.lengths`): None, the first new length (at the same rows) replays the
+    first's sharding decisions, most of a lowering, and every later one is written from the fit of
+    those two programs; True, each program's rows are fitted in the length at once (their first
+    lowering is followed by a replay at half its length and the fit), so every new length is
+    written from the fit; False, every length is lowered (replayed), never fitted.
     """
     return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy, progress=progress,
-                         logic=logic, cp_layout=cp_layout, backend=backend)
+                         logic=logic, cp_layout=cp_layout, backend=backend, dynamic=dynamic)

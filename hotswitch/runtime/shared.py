@@ -142,6 +142,11 @@ class SharedCache:
             self.disk.put(key, value)
         return value
 
+    def keeps(self, kind: str) -> bool:
+        """Would `put` keep a value of `kind` anywhere (on disk, or for another rank)? Not worth
+        writing one out otherwise."""
+        return self.disk is not None or (kind in self._SHARED and self.once.store is not None)
+
     def put(self, key: str, value, kind: str = "decisions", persistent: bool = True) -> None:
         if self.disk is not None and persistent:
             self.disk.put(key, value)
