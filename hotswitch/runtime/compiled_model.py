@@ -1021,7 +1021,8 @@ class CompiledModel:
             family.refused = f"the first length, {length}, is odd: no second length to fit with was chosen"
             self._report(f"{st.config.name}: every sequence length is lowered ({family.refused})")
             return
-        half = tuple((s[0], length // 2, *s[2:]) if along_seq else s for s, along_seq in zip(key[0], self._sequence_inputs))
+        half = tuple((s[0], length // 2, *s[2:]) if along_seq else s
+                     for s, along_seq in zip(key[0], self._sequence_inputs))
         try:
             self._program(st, half, train=key[1], reduce=key[2])
             self._length_fit(st, family)
