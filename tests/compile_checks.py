@@ -174,7 +174,7 @@ def fitted_equals_replayed(kind: str, config, seqs=(SEQ, 16), later=(20, 18)) ->
             loss = c.forward_backward(*c.shard_inputs(ids, labels))
             grads = c.full_grads()
             fits = [f.fit for f in c._state(name).lengths.values() if f.fit is not None]
-            row[label] = dict(fitted=program.fitted, loaded=program.loaded, loss=float(loss),
+            row[label] = dict(fitted=program.fitted, loss=float(loss),
                               # its code: fx's for its graph, written from the first program's (a fit's template)
                               code_is_the_graphs=gm.code == gm.graph.python_code("self").src,
                               templated=bool(fits) and all(f.code is not None for f in fits),

@@ -321,7 +321,7 @@ def check_dynamic_lengths():
     """`dynamic=True` fits a config in the sequence length while compiling (the example's length and
     half of it), so a first step at any later length runs a program written from that fit: the same
     program as a replay there, with one device's numbers. `dynamic=False` lowers every length; an
-    odd example length is not fitted, and the progress says so."""
+    odd example length is not fitted, and the progress and a warning say so."""
     import os
 
     from tests.reference_lowering import same_program
@@ -334,11 +334,14 @@ def check_dynamic_lengths():
         dynamic = hs.compile(model, batch(), [config], dynamic=True, progress=said.append)
         fits_at_compile = [f.fit is not None for f in dynamic._state(config.name).lengths.values()]
         fixed = hs.compile(model, batch(), [config], dynamic=False, logic=dynamic.logic)
-        odd = hs.compile(model, batch(seq=11), [config], dynamic=True, logic=dynamic.logic,
-                         progress=odd_said.append)
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            odd = hs.compile(model, batch(seq=11), [config], dynamic=True, logic=dynamic.logic,
+                             progress=odd_said.append)
     finally:
         del os.environ["HOTSWITCH_CACHE"]
     out = {"fits_at_compile": fits_at_compile, "said": said, "odd_said": odd_said,
+           "odd_warned": [str(w.message) for w in warned if "dynamic=True" in str(w.message)],
            "odd_fits": [f.fit is not None for f in odd._state(config.name).lengths.values()]}
     for seq in (16, 20):
         ids, labels = batch(seq=seq)
@@ -506,6 +509,8 @@ def test_dynamic_lengths(results):
                 assert run["loss_err"] < 1e-5 and run["grad_err"] < 1e-4, (seq, run)
         assert r["fixed_fits"] == [False], r["fixed_fits"]  # two lengths after the first, none fitted
         assert r["odd_fits"] == [False] and any("11, is odd" in m for m in r["odd_said"]), r["odd_said"]
+        # asked for and not given: a warning says so too, where no progress callback is passed
+        assert len(r["odd_warned"]) == 1 and "11, is odd" in r["odd_warned"][0], r["odd_warned"]
 
 
 def test_lowering_builds_the_program_make_fx_would_trace(results):

@@ -1019,19 +1019,21 @@ class CompiledModel:
         length = found[1]
         if length % 2:
             family.refused = f"the first length, {length}, is odd: no second length to fit with was chosen"
-            self._report(f"{st.config.name}: every sequence length is lowered ({family.refused})")
+        else:
+            half = tuple((s[0], length // 2, *s[2:]) if along_seq else s
+                         for s, along_seq in zip(key[0], self._sequence_inputs))
+            try:
+                self._program(st, half, train=key[1], reduce=key[2])
+                self._length_fit(st, family)
+            except Exception as e:  # noqa: BLE001 - a half the sharding does not divide, say: no fit, no harm
+                family.refused = family.refused or f"{type(e).__name__}: {e}"
+        if family.refused is None:
+            self._report(f"{st.config.name}: fitted in the sequence length from lengths {length // 2} and {length}")
             return
-        half = tuple((s[0], length // 2, *s[2:]) if along_seq else s
-                     for s, along_seq in zip(key[0], self._sequence_inputs))
-        try:
-            self._program(st, half, train=key[1], reduce=key[2])
-            self._length_fit(st, family)
-        except Exception as e:  # noqa: BLE001 - a length the sharding does not divide, say: no fit, no harm
-            family.refused = family.refused or f"{type(e).__name__}: {e}"
-            self._report(f"{st.config.name}: every sequence length is lowered (no fit at lengths {length // 2} and "
-                         f"{length}: {family.refused})")
-            return
-        self._report(f"{st.config.name}: fitted in the sequence length from lengths {length // 2} and {length}")
+        # asked for and not given: said where it is seen without a progress callback too
+        message = f"{st.config.name}: dynamic=True, but every sequence length is lowered ({family.refused})"
+        self._report(message)
+        warnings.warn(f"hotswitch: {message}", stacklevel=2)
 
     def _pipelined(self, st: ConfigState, local_inputs, micro_batches, schedule, grad_scale: float, train: bool):
         """One step as micro-batches (and pipeline stages): see forward_backward and hotswitch.pipeline."""
