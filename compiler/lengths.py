@@ -28,10 +28,15 @@ The caller also checks that every size in the LogicGraph is affine in the length
 
 The program's Python code is written the same way: the first program's code with the integers of
 the lines that change replaced (`_CodeTemplate`), not generated again by fx (most of writing one).
+
+A fit is filed in the compile cache under its first program's key (`LengthFit.portable`, nodes by
+name): a later process that loads that program loads the fit too, and neither lowers a second
+length nor fits again.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
 import marshal
 import re
 import types
@@ -43,7 +48,18 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ._torch import FloorDiv, WrittenCode, add_node, arg_leaves, codegen, copy_node, module_with_code, written_code
+from ._torch import (
+    FloorDiv,
+    OpOverload,
+    WrittenCode,
+    add_node,
+    arg_leaves,
+    codegen,
+    copy_node,
+    module_with_code,
+    renamed_strings,
+    written_code,
+)
 from .tp_rules import RESHAPE_OPS, SIZED_VIEW_OPS
 
 __all__ = ["CannotFit", "LengthFit", "affine_in_length", "fit", "resolved_arguments"]
@@ -321,6 +337,22 @@ class _CodeTemplate:
             lines[i] = line
         return "\n".join(lines)
 
+    def renamed(self, names: dict[str, str], scope) -> _CodeTemplate | None:
+        """This template with the string literals `names` maps replaced and its globals mapped by
+        `scope` (None: they cannot be); None where a line whose integers change holds such a literal
+        (its integers' places would move)."""
+        literals = [repr(name) for name in names]
+        if any(literal in self.lines[i] for i, _, _ in self.sites for literal in literals):
+            return None
+        scope = scope(self.code.globals)
+        if scope is None:
+            return None
+        code = renamed_strings(replace(self.code, globals=scope), names)
+        compiled = self.compiled
+        if compiled is not None:
+            compiled = renamed_strings(replace(self.code, src="", bytecode=compiled), names).bytecode
+        return replace(self, code=code, lines=tuple(code.src.split("\n")), compiled=compiled)
+
     def at(self, length: int) -> WrittenCode:
         src = self._written(lambda value: str(_at(value, length)))
         if self.compiled is None:
@@ -332,6 +364,13 @@ class _CodeTemplate:
 # the globals a compiled template reads its integers from (a source that has the name already is
 # compiled at each length instead)
 _LENGTH_GLOBAL = re.compile(r"_hotswitch_int\d")
+
+
+@dataclass(frozen=True)
+class _Named:
+    """A node of the first program, by its name: a LengthFit written out (`LengthFit.portable`)."""
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -371,6 +410,55 @@ class LengthFit:
         if self.code is not None:
             return module_with_code(self.first, graph, self.code.at(length))
         return fx.GraphModule(self.first, graph)
+
+    def portable(self, names: dict[str, str], scope) -> tuple | None:
+        """This fit apart from its first program, for `bound` in another process: nodes by name, each
+        string `names` maps (a process group's name) replaced, the code's globals mapped by `scope`.
+        None where the code cannot be written so."""
+        code = None
+        if self.code is not None:
+            code = self.code.renamed(names, scope)
+            if code is None:
+                return None
+
+        def leaf(x):
+            if isinstance(x, fx.Node):
+                return _Named(x.name)
+            return names.get(x, x) if type(x) is str else x
+
+        args = {n.name: tuple(map(leaf, leaves)) for n, leaves in self.args.items()}
+        vals = {n.name: v for n, v in self.vals.items()}
+        return self.lengths, args, vals, code, _outline(self.first)
+
+    @staticmethod
+    def bound(first: fx.GraphModule, portable: tuple, names: dict[str, str], scope) -> LengthFit:
+        """`portable` (from `LengthFit.portable`) as the fit of `first`, the program it was made
+        from, strings and globals mapped back by `names` and `scope` (KeyError: a node it names is
+        not in `first`; ValueError: `first` is not the program it was made from, node for node)."""
+        lengths, args, vals, code, outline = portable
+        if _outline(first) != outline:
+            raise ValueError("the program it was fitted from was lowered again with other node names")
+        nodes = {n.name: n for n in first.graph.nodes}
+
+        def leaf(x):
+            if isinstance(x, _Named):
+                return nodes[x.name]
+            return names.get(x, x) if type(x) is str else x
+
+        if code is not None:
+            code = code.renamed(names, scope)
+        return LengthFit(first, tuple(lengths), {nodes[k]: tuple(map(leaf, v)) for k, v in args.items()},
+                         {nodes[k]: _RUN if isinstance(v, str) and v == _RUN else v for k, v in vals.items()}, code)
+
+
+def _outline(gm: fx.GraphModule) -> str:
+    """A digest of `gm`'s nodes, names and ops in order: a fit written out binds to its nodes by name."""
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        target = str(n.target) if isinstance(n.target, (str, OpOverload)) else \
+            f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__qualname__', n.target)}"  # no address
+        h.update(f"{n.name} {n.op} {target}\n".encode())
+    return h.hexdigest()
 
 
 def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: int) -> LengthFit:

@@ -37,9 +37,10 @@ from ._torch import (
     symbols_of,
     written_code,
 )
+from .lengths import LengthFit
 from .trace import LogicGraph
 
-__all__ = ["dumps_logic", "dumps_program", "graph_text", "loads_logic", "loads_program"]
+__all__ = ["dumps_fit", "dumps_logic", "dumps_program", "graph_text", "loads_fit", "loads_logic", "loads_program"]
 
 _VERSION = 4
 
@@ -135,22 +136,33 @@ class _Encoder:
 
 
 def _encode_code(gm: fx.GraphModule) -> WrittenCode | None:
-    """The code fx wrote for `gm`, its globals made picklable (modules by name, the rest by pickle's
-    reference to them); None where one is not, or where the code is not this graph's (edited since)."""
+    """The code fx wrote for `gm`, its globals made picklable (`_portable_globals`); None where one
+    is not, or where the code is not this graph's (edited since)."""
     code = written_code(gm)
     if code is None or not _writes_each_node(gm.graph, code.src):
         return None
-    scope = {}
-    for name, value in code.globals.items():
+    scope = _portable_globals(code.globals)
+    return None if scope is None else replace(code, globals=scope)
+
+
+def _portable_globals(scope: dict) -> dict | None:
+    """A code's globals made picklable: modules by name, the rest by pickle's reference to them;
+    None where one is not."""
+    out = {}
+    for name, value in scope.items():
         if isinstance(value, types.ModuleType):
-            scope[name] = _Module(value.__name__)
+            out[name] = _Module(value.__name__)
             continue
         try:
             pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001 - a closure, say: the loading process writes the code itself
             return None
-        scope[name] = value
-    return replace(code, globals=scope)
+        out[name] = value
+    return out
+
+
+def _live_globals(scope: dict) -> dict:
+    return {k: importlib.import_module(v.name) if isinstance(v, _Module) else v for k, v in scope.items()}
 
 
 def _writes_each_node(graph: fx.Graph, src: str) -> bool:
@@ -163,10 +175,7 @@ def _writes_each_node(graph: fx.Graph, src: str) -> bool:
 
 
 def _decode_code(code: WrittenCode | None) -> WrittenCode | None:
-    if code is None:
-        return None
-    return replace(code, globals={k: importlib.import_module(v.name) if isinstance(v, _Module) else v
-                                  for k, v in code.globals.items()})
+    return None if code is None else replace(code, globals=_live_globals(code.globals))
 
 
 def _encode_graph(gm: fx.GraphModule, encoder: _Encoder) -> tuple[list, dict, object, WrittenCode | None]:
@@ -307,6 +316,30 @@ def dumps_program(gm: fx.GraphModule, groups: dict[str, int]) -> bytes | None:
     # the nodes as bytes of their own: a program that runs its code unpickles them only if its graph is read
     nodes = pickle.dumps(nodes, protocol=pickle.HIGHEST_PROTOCOL)
     return pickle.dumps((_VERSION, nodes, attrs, graph_code, written), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def dumps_fit(fit: LengthFit, groups: dict[str, int]) -> bytes | None:
+    """A program's length fit as bytes for `loads_fit`, its nodes by name and its collectives'
+    process groups by mesh axis (`groups`: group name -> axis), as `dumps_program` writes them. None
+    where it cannot be written (a global of its code that does not pickle, a group's name on a line
+    whose integers change)."""
+    portable = fit.portable({name: _group_token(axis) for name, axis in groups.items()}, _portable_globals)
+    if portable is None:
+        return None
+    try:
+        return pickle.dumps((_VERSION, portable), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - a constant that does not pickle: the fit is made again
+        return None
+
+
+def loads_fit(data: bytes, first: fx.GraphModule, group_names: list[str]) -> LengthFit:
+    """`dumps_fit` inverted in this process, for `first` (the program it was made from, loaded from
+    the cache): axis i's collectives run on `group_names[i]`."""
+    version, portable = pickle.loads(data)
+    if version != _VERSION:
+        raise ValueError(f"a length fit written by another version of hotswitch ({version}, not {_VERSION})")
+    names = {_group_token(axis): name for axis, name in enumerate(group_names)}
+    return LengthFit.bound(first, portable, names, _live_globals)
 
 
 def _group_token(axis: int) -> str:

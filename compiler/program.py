@@ -33,7 +33,7 @@ from .attention import kernels_hold
 from .cache import CompileCache
 from .garbage import collector_paused
 from .lengths import CannotFit, LengthFit, affine_in_length, fit
-from .logic_io import dumps_program, graph_text, loads_program
+from .logic_io import dumps_fit, dumps_program, graph_text, loads_fit, loads_program
 from .lower import (
     BUCKET_BYTES,
     OutputPlan,
@@ -104,6 +104,7 @@ class StageProgram:
     mixes_rows: tuple[str, ...] = ()
     replayed_all: bool = False  # every decision replayed from another shape's, none searched again
     fitted: tuple[int, int] | None = None  # not lowered: written from the programs at these two lengths (`program_at`)
+    cache_key: str | None = None  # where the compile cache keeps it (None: nowhere): what its length fit is filed under
 
 
 def _concrete(size, values: dict) -> int:
@@ -232,7 +233,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     n_losses = 2 if is_last else 1
     deferred = [] if reduce else \
         list(range(n_out, n_out + n_losses)) + (list(range(n_out + n_losses, n_out + n_losses + n_p)) if train else [])
-    groups = [mesh.get_group(i).group_name for i in range(ndim)]
+    groups = _group_names(mesh)
 
     dp_dim = axis.get("dp") if dp > 1 else None
 
@@ -255,9 +256,11 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             return None, None, (), False
 
     sharding, propagate_seconds, gm, deferred_specs, mixed, replayed_all = None, 0.0, None, None, (), False
+    stored = None  # the key the cache keeps this program under
     if cache is not None and decided is not None:  # this rank's very program, lowered by an earlier process
         for any_dp in ((True, False) if dp_dim is not None else (False,)):
-            entry = cache.get(program_key(decided, any_dp), "program")
+            stored = program_key(decided, any_dp)
+            entry = cache.get(stored, "program")
             if entry is not None:
                 gm, deferred_specs, mixed, replayed_all = load(entry)
                 break
@@ -271,7 +274,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         entry = cache.get(claimed, "shared program")
         if entry is not None:
             gm, deferred_specs, mixed, replayed_all = load(entry)
-            claimed = None  # another rank lowered it; nothing of ours to publish
+            stored, claimed = claimed, None  # another rank lowered it; nothing of ours to publish
     loaded = gm is not None
     if loaded:
         decisions = decided  # nothing propagated: the program already holds what the decisions lead to
@@ -326,7 +329,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             if entry is not None:
                 gm, deferred_specs, mixed, replayed_all = load(entry)
                 loaded = gm is not None
-                shared = None  # nothing to publish: another rank (or an earlier process) lowered it
+                stored, shared = shared, None  # nothing to publish: another rank (or an earlier process) lowered it
         if key is not None and decided is None:
             # published once this rank has claimed the shared program it lowers: a dp rank that the
             # decisions tell to wait for one finds it claimed, and does not lower it a second time
@@ -350,12 +353,15 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                     data = dumps_program(gm, {name: i for i, name in enumerate(groups)})
                 except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
                     data = None
+            stored = None
             if data is not None:
                 entry = (data, [dt.encode_spec(s) for s in deferred_specs], mixed, replayed_all)
                 if shared is not None:
+                    stored = shared
                     cache.put(shared, entry, "shared program")
                 else:
-                    cache.put(program_key(decided if decided is not None else decisions), entry, "program")
+                    stored = program_key(decided if decided is not None else decisions)
+                    cache.put(stored, entry, "program")
             elif shared is not None:
                 cache.failed(shared)
     gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
@@ -372,7 +378,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=deferred_specs,
         param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
         decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded,
-        mixes_rows=mixed, replayed_all=replayed_all)
+        mixes_rows=mixed, replayed_all=replayed_all, cache_key=stored)
 
 
 def fit_programs(logic: LogicGraph, first: StageProgram, length_a: int, second: StageProgram,
@@ -389,6 +395,40 @@ def fit_programs(logic: LogicGraph, first: StageProgram, length_a: int, second: 
     if logic.seq_symbol is None or not affine_in_length(graph, logic.seq_symbol):
         raise CannotFit("a size in the model is not affine in the sequence length")
     return fit(first.joint, length_a, second.joint, length_b)
+
+
+def _group_names(mesh) -> list[str]:
+    """The process group of each of `mesh`'s axes, by name (what a program's collectives name)."""
+    return [mesh.get_group(i).group_name for i in range(mesh.ndim)]
+
+
+def fit_key(cache, first: StageProgram, length_a: int, length_b: int) -> str | None:
+    """Where the compile cache files the fit of `first` (at `length_a`) with its replay at `length_b`:
+    a function of the two, as the program's own key is of what lowered it. None where `first` is not
+    in the cache or nothing would keep the fit."""
+    if cache is None or first.cache_key is None or not cache.keeps("length fit"):
+        return None
+    return cache.key("length fit", first.cache_key, length_a, length_b)
+
+
+def load_fit(cache, key: str, first: StageProgram, where: StageMesh) -> LengthFit | None:
+    """The fit filed under `key` for `first`, or None (not there; one that does not load is reported
+    once and made again)."""
+    entry = cache.get(key, "length fit")
+    if entry is None:
+        return None
+    try:
+        return loads_fit(entry, first.joint, _group_names(where.mesh))
+    except Exception as e:  # noqa: BLE001 - an entry from another build, say: fit again
+        cache.report(f"a cached length fit did not load ({type(e).__name__}: {e}); it is fitted again")
+        return None
+
+
+def store_fit(cache, key: str, fitted: LengthFit, where: StageMesh) -> None:
+    """File `fitted` under `key` (`fit_key`), where it can be written."""
+    data = dumps_fit(fitted, {name: axis for axis, name in enumerate(_group_names(where.mesh))})
+    if data is not None:
+        cache.put(key, data, "length fit")
 
 
 def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes: tuple) -> StageProgram:
@@ -412,4 +452,5 @@ def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes:
                                                       tuple(range(like.n_acts_out + like.n_losses)))
     return replace(like, joint=gm, forward=forward, backward=backward, recv_acts=received[:len(like.recv_acts)],
                    recv_grads=received[len(like.recv_acts):], seconds=time.perf_counter() - t0,
-                   propagate_seconds=0.0, replayed=0, loaded=False, replayed_all=False, fitted=fitted.lengths)
+                   propagate_seconds=0.0, replayed=0, loaded=False, replayed_all=False, fitted=fitted.lengths,
+                   cache_key=None)

@@ -206,12 +206,15 @@ def check_a_warm_cache_replays_decisions():
 
 
 def check_a_warm_cache_fits_later_lengths():
-    """A second compiled model loads the programs of the first two lengths from disk and fits the
-    third and fourth from them (fitted programs are not written to disk: writing one again costs
-    less): the same code and numbers as the first model's. Every
-    program, lowered, loaded or fitted, holds torch's fused attention kernels already: the runner
-    runs it as it is, with no rewrite at its first step. A third model finds entries that do not load
-    (written by another torch build, say): it warns, lowers and fits again, with the same numbers."""
+    """A second compiled model loads the programs of the first two lengths from disk, and their fit
+    (filed under the first program's key), and writes the third and fourth from it (fitted programs
+    are not written to disk: writing one again costs less): the same code and numbers as the first
+    model's. Every program, lowered, loaded or fitted, holds torch's fused attention kernels already:
+    the runner runs it as it is, with no rewrite at its first step. A third model finds program
+    entries that do not load (written by another torch build, say): it warns, lowers and fits again,
+    with the same numbers; a fourth finds a fit that does not load: it warns and fits again.
+    Compiled with `dynamic=True`, a model that finds the fit at the example's length and its half
+    lowers no half: its later lengths are written from the fit an earlier model filed."""
     import contextlib
     import os
     import tempfile
@@ -223,13 +226,26 @@ def check_a_warm_cache_fits_later_lengths():
     config = hs.DistConfig("tp2sp", tp=2, sp=True)
     out = []
     unreadable = mock.patch("hotswitch.compiler.program.loads_program", side_effect=ValueError("another build"))
-    for entries in (contextlib.nullcontext(), contextlib.nullcontext(), unreadable):
+    unfitting = mock.patch("hotswitch.compiler.program.loads_fit", side_effect=ValueError("another build"))
+    for entries in (contextlib.nullcontext(), contextlib.nullcontext(), unreadable, unfitting):
         shared._LOADED.clear()  # as in another process: no LogicGraph in memory, only on disk
         with entries, warnings.catch_warnings(record=True) as warned:
             warnings.simplefilter("always")
             lengths = _at_four_lengths(model, config)
         lengths["warned"] = [str(w.message) for w in warned if "compile cache" in str(w.message)]
         out.append(lengths)
+    dynamic = []
+    for _ in range(2):
+        shared._LOADED.clear()
+        said: list[str] = []
+        cm = hs.compile(model, batch(), [config], dynamic=True, progress=said.append)
+        state = cm._state(config.name)
+        lowered = sorted(k[0][0][1] for k in state.programs)  # the lengths compile lowered or loaded
+        gm = cm.exec_graph(config.name, tuple(tuple(x.shape) for x in batch(seq=20)))
+        (program,) = [p for p in state.programs.values() if p.joint is gm]
+        dynamic.append(dict(said=said, code=gm.code, fitted=program.fitted, lengths=lowered,
+                            fit_loaded=[f.fit_loaded for f in state.lengths.values()]))
+    out.append(dynamic)
     return out
 
 
@@ -244,6 +260,7 @@ def _at_four_lengths(model, config) -> dict:
         loss = cm.forward_backward(*cm.shard_inputs(*inputs))
         lengths[seq] = dict(loaded=program.loaded, fitted=program.fitted, loss=float(loss), code=gm.code,
                             fits=[f.fit is not None for f in cm._state(config.name).lengths.values()],
+                            fit_loaded=[f.fit_loaded for f in cm._state(config.name).lengths.values()],
                             attention=sorted(str(n.target) for n in gm.graph.nodes if "attention" in str(n.target)),
                             runs_as_lowered=cm.graph_runner(gm) is gm)
     return lengths
@@ -473,14 +490,27 @@ def test_a_warm_cache_replays_decisions(results):
 
 
 def test_a_warm_cache_fits_later_lengths(results):
-    for cold, warm, unreadable in results["check_a_warm_cache_fits_later_lengths"].raise_if_failed():
+    for ranks in results["check_a_warm_cache_fits_later_lengths"].raise_if_failed():
+        cold, warm, unreadable, unfitting, dynamic = ranks
         assert [cold[s]["fitted"] for s in (12, 16, 20, 24)] == [None, None, (12, 16), (12, 16)], cold
         assert [warm[s]["loaded"] for s in (12, 16)] == [True, True], warm  # from the first model's disk
         assert [warm[s]["fitted"] for s in (20, 24)] == [(12, 16), (12, 16)], warm
-        for run in (cold, warm):  # fitted from the two programs, in each process
+        for run in (cold, warm):  # written from the fit of the two programs, in each process
             assert [run[s]["loaded"] for s in (20, 24)] == [False, False] and run[24]["fits"] == [True], run
+        assert cold[24]["fit_loaded"] == [False] and warm[24]["fit_loaded"] == [True]  # fitted once, then loaded
         assert all(warm[s]["loss"] == cold[s]["loss"] and warm[s]["code"] == cold[s]["code"] for s in (12, 16, 20, 24))
         assert cold["warned"] == warm["warned"] == []
+        # a fit that does not load: said once, fitted again from the loaded programs, the same code
+        assert [unfitting[s]["loaded"] for s in (12, 16)] == [True, True] and unfitting[24]["fit_loaded"] == [False]
+        assert [unfitting[s]["fitted"] for s in (20, 24)] == [(12, 16)] * 2, unfitting
+        assert len(unfitting["warned"]) == 1 and "length fit did not load" in unfitting["warned"][0], unfitting
+        assert all(unfitting[s]["code"] == cold[s]["code"] for s in (12, 16, 20, 24))
+        # dynamic=True: the first model lowers the half length (6) and files the fit; the second loads it
+        first, second = dynamic
+        assert first["lengths"] == [6, 12] and first["fit_loaded"] == [False], first
+        assert second["lengths"] == [12] and second["fit_loaded"] == [True], second  # no half lowered
+        assert any("the compile cache had the fit" in m for m in second["said"]), second["said"]
+        assert first["fitted"] == second["fitted"] == (12, 6) and first["code"] == second["code"]
         # entries that do not load: said once, then lowered (the decisions replayed) and fitted again
         assert [unreadable[s]["loaded"] for s in (12, 16, 20, 24)] == [False] * 4, unreadable
         assert [unreadable[s]["fitted"] for s in (20, 24)] == [(12, 16)] * 2 and unreadable[24]["fits"] == [True]

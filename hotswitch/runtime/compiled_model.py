@@ -24,7 +24,16 @@ from hotswitch.compiler.garbage import collector_paused
 from hotswitch.compiler.handoff import handing_off
 from hotswitch.compiler.lengths import CannotFit, LengthFit
 from hotswitch.compiler.lower import ShardingDecisions
-from hotswitch.compiler.program import StageMesh, StageProgram, fit_programs, lower_program, program_at
+from hotswitch.compiler.program import (
+    StageMesh,
+    StageProgram,
+    fit_key,
+    fit_programs,
+    load_fit,
+    lower_program,
+    program_at,
+    store_fit,
+)
 from hotswitch.compiler.signature import ModelCall
 from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
@@ -48,6 +57,7 @@ class LengthFamily:
     lowered: list[tuple[int, StageProgram]] = field(default_factory=list)  # (length, program)
     fit: LengthFit | None = None
     refused: str | None = None
+    fit_loaded: bool = False  # the fit came from the compile cache (an earlier process made it)
 
 
 @dataclass
@@ -983,7 +993,8 @@ class CompiledModel:
         `dynamic=False`."""
         found = self._by_length(key)
         family = st.lengths.get(found[0]) if found is not None else None
-        if self.dynamic is False or family is None or len(family.lowered) < 2 or family.refused is not None:
+        if self.dynamic is False or family is None or family.refused is not None or \
+                (family.fit is None and len(family.lowered) < 2):
             return None
         try:
             return program_at(self._length_fit(st, family), family.lowered[0][1], found[1], key[0])
@@ -995,9 +1006,12 @@ class CompiledModel:
             return None
 
     def _length_fit(self, st: ConfigState, family: LengthFamily) -> LengthFit:
-        """The fit of `family`'s two lowered programs, computed once (CannotFit: why not, kept)."""
+        """The fit of `family`'s two lowered programs, computed once, or loaded where an earlier
+        process filed it in the compile cache (CannotFit: why not, kept)."""
         if family.fit is None:
             (length_a, first), (length_b, second) = family.lowered
+            if self._cached_fit(st, family, length_b):
+                return family.fit
             t0 = time.perf_counter()
             try:
                 family.fit = fit_programs(self.logic, first, length_a, second, length_b)
@@ -1006,7 +1020,23 @@ class CompiledModel:
                 raise
             finally:
                 st.fit_seconds += time.perf_counter() - t0
+            key = fit_key(self._cache, first, length_a, length_b)
+            if key is not None:
+                store_fit(self._cache, key, family.fit, st.where)
         return family.fit
+
+    def _cached_fit(self, st: ConfigState, family: LengthFamily, length_b: int) -> bool:
+        """Did the compile cache hold the fit of `family`'s first program with its replay at
+        `length_b`? (It is then `family.fit`.)"""
+        length_a, first = family.lowered[0]
+        key = fit_key(self._cache, first, length_a, length_b)
+        if key is None:
+            return False
+        t0 = time.perf_counter()
+        family.fit = load_fit(self._cache, key, first, st.where)
+        st.fit_seconds += time.perf_counter() - t0
+        family.fit_loaded = family.fit is not None
+        return family.fit_loaded
 
     def _fit_now(self, st: ConfigState, key: tuple) -> None:
         """`dynamic=True`: after the first program at some rows (`key`), the program at half its
@@ -1019,6 +1049,10 @@ class CompiledModel:
         length = found[1]
         if length % 2:
             family.refused = f"the first length, {length}, is odd: no second length to fit with was chosen"
+        elif self._cached_fit(st, family, length // 2):
+            self._report(f"{st.config.name}: fitted in the sequence length from lengths {length // 2} and {length} "
+                         "(loaded: the compile cache had the fit)")
+            return
         else:
             half = tuple((s[0], length // 2, *s[2:]) if along_seq else s
                          for s, along_seq in zip(key[0], self._sequence_inputs))
