@@ -38,6 +38,7 @@ from ._torch import (
     OpOverload,
     add_node,
     arg_leaves,
+    codeless_module,
     codeless_modules,
     copy_node,
     map_args,
@@ -953,6 +954,7 @@ def lower(
     traced: dict | None = None,
     reduce_early: bool = False,
     attention: tuple[torch.device, bool] | None = None,
+    codeless: bool = False,
 ) -> fx.GraphModule:
     """Build this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
 
@@ -966,6 +968,7 @@ def lower(
     backward (`issue_reductions_early`): both edit the graph before its GraphModule writes the code, once.
     `attention`: (the device the program runs on, for Inductor?): its attention is written as torch's
     fused kernels there (`attention.fuse_attention`), not at run time on a copy of the program.
+    `codeless`: the program's code is written when it is first run (a program read as a graph only).
     """
     decisions = sharding.decisions
     on_device = placed_on(device)
@@ -1033,7 +1036,7 @@ def lower(
         issue_reductions_early(program.graph)
         hand_off_early(program.graph)
     wait_where_read(program.graph)
-    return program.module()
+    return program.module(codeless)
 
 
 def add_hand_offs(graph: fx.Graph, specs: list, plan: OutputPlan | StageOutputPlan, bucket_bytes: int) -> None:
@@ -1178,12 +1181,13 @@ class _ProgramBuilder:
     def output(self, result) -> None:
         self.graph.output(result)
 
-    def module(self) -> fx.GraphModule:
+    def module(self, codeless: bool = False) -> fx.GraphModule:
+        """The program as a GraphModule, its code generated once (`codeless`: when first run, if ever)."""
         root = torch.nn.Module()
         for name, value in self.attrs.items():
             setattr(root, name, value)
         self.graph.eliminate_dead_code()
-        return fx.GraphModule(root, self.graph)  # generates the code, once
+        return codeless_module(root, self.graph) if codeless else fx.GraphModule(root, self.graph)
 
     @staticmethod
     def _annotate(node: fx.Node, val, source: fx.Node) -> fx.Node:

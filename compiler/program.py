@@ -151,7 +151,7 @@ def _plan_redistributions(plan, output_specs: list) -> tuple:
 def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buffers: list[torch.Tensor],
                   local_shapes: tuple, input_dtypes: list[torch.dtype], *, train: bool, reduce: bool = False,
                   strict: bool = True, memo: dict | None = None, decided: ShardingDecisions | None = None,
-                  cache: CompileCache | None = None) -> StageProgram:
+                  cache: CompileCache | None = None, sample: bool = False) -> StageProgram:
     """Lower one stage (None: the whole model) for local micro-batches of `local_shapes` (this rank's
     rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`;
     it also keeps the redistributions `lower` traced);
@@ -159,7 +159,9 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     instead of searched (the program's `decisions` are what to pass next time); `cache`: the compile cache
     as the runtime consults it (`SharedCache`: get / put / keeps / key / failed / report, on disk and
     between ranks), consulted for the decisions when `decided` is None (filled after a
-    search) and for this rank's program ("program"; "shared program" for one every dp rank lowers alike)."""
+    search) and for this rank's program ("program"; "shared program" for one every dp rank lowers alike).
+    `sample`: a program only read as a graph (the second of a length fit, `fit_programs`): its code is
+    not written (until it is run, if ever), it is not filed in the cache, nor cut into its passes."""
     t0 = time.perf_counter()
     if reduce and stage is not None:
         raise ValueError("reduce=True lowers a whole model (stage=None); pipeline stages defer their reduction")
@@ -268,7 +270,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     # the same decisions does too: it is looked up, or claimed, before the decisions are replayed
     shared_before = None if memo is None else memo.setdefault("shared programs", {})
     claimed = None
-    if gm is None and cache is not None and decided is not None and dp_dim is not None \
+    # (a sample is never published: each rank lowers its own, and none waits for another's)
+    if gm is None and cache is not None and decided is not None and dp_dim is not None and not sample \
             and shared_before is not None and shared_before.get(graph, decided.dp_shared):
         claimed = program_key(decided, any_dp=True)
         entry = cache.get(claimed, "shared program")
@@ -323,7 +326,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 shared = claimed
             else:
                 cache.failed(claimed)
-        elif one_for_all:
+        elif one_for_all and not sample:
             shared = program_key(decided if decided is not None else decisions, any_dp=True)
             entry = cache.get(shared, "shared program")
             if entry is not None:
@@ -339,7 +342,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 # with the DP reduction inside, its buckets reduced behind the rest of the backward
                 gm = lower(graph, sharding, local, plan, mesh, BUCKET_BYTES, device=where.device,
                            traced=None if memo is None else memo.setdefault("traced", {}), reduce_early=reduce,
-                           attention=attention)
+                           attention=attention, codeless=sample)
             except BaseException:
                 if shared is not None:
                     cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)
@@ -348,7 +351,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             mixed = mixes_rows(sharding, dp_dim) if dp_dim is not None else ()
             replayed_all = sharding.replayed > 0 and not sharding.searched
             data = None
-            if cache is not None and cache.keeps("shared program" if shared is not None else "program"):
+            if cache is not None and not sample and cache.keeps("shared program" if shared is not None else "program"):
                 try:
                     data = dumps_program(gm, {name: i for i, name in enumerate(groups)})
                 except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
@@ -370,7 +373,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     recv_acts = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i:n_p + n_b + n_i + n_acts_in]]
     recv_grads = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i + n_acts_in:]]
     forward, backward = gm, None
-    if cut:
+    if cut and not sample:
         forward, backward, _ = split_forward_backward(gm, len(recv_grads), tuple(range(n_out + n_losses)))
     return StageProgram(
         joint=gm, forward=forward, backward=backward, train=train, is_last=is_last, n_acts_out=n_out,

@@ -940,21 +940,14 @@ class CompiledModel:
         stage with the reduction deferred (micro-batches, pp > 1). See hotswitch.compiler.program."""
         key = (tuple(tuple(s) for s in local_shapes), train, reduce)
         if key not in st.programs:
-            stage = self._split(st.config.pp).stages[st.stage] if st.full_mesh is not None else None
-            graph = (train, st.stage)
             what = f"{st.config.name} for local {'micro-batches' if not reduce else 'inputs'} {list(key[0][0])}" + (
-                "" if train else " (forward only)") + (f", stage {st.stage}" if stage is not None else "")
+                "" if train else " (forward only)") + (f", stage {st.stage}" if st.full_mesh is not None else "")
             program = self._fitted(st, key)
             if program is not None:
                 how = f"fitted from lengths {program.fitted[0]} and {program.fitted[1]}"
             else:
                 self._report(f"lowering {what}")
-                program = lower_program(self.logic, stage, st.where, self._buffers, key[0],
-                                        [x.dtype for x in self._example_inputs], train=train, reduce=reduce,
-                                        strict=self.strict,
-                                        memo=self._propagation_memo.setdefault(st.config.name, {}),
-                                        decided=st.decisions.get(graph), cache=self._cache)
-                st.decisions.setdefault(graph, program.decisions)
+                program = self._lower(st, key)
                 if program.loaded:
                     how = "loaded: the compile cache or another dp rank had it"
                 else:
@@ -967,6 +960,18 @@ class CompiledModel:
             if self.dynamic:
                 self._fit_now(st, key)
         return st.programs[key]
+
+    def _lower(self, st: ConfigState, key: tuple, sample: bool = False) -> StageProgram:
+        """Lower (or load) the program of `key` (see `_program`); `sample`: one only read as a graph,
+        for a length fit (`compiler.program.lower_program`)."""
+        (local_shapes, train, reduce), graph = key, (key[1], st.stage)
+        stage = self._split(st.config.pp).stages[st.stage] if st.full_mesh is not None else None
+        program = lower_program(self.logic, stage, st.where, self._buffers, local_shapes,
+                                [x.dtype for x in self._example_inputs], train=train, reduce=reduce,
+                                strict=self.strict, memo=self._propagation_memo.setdefault(st.config.name, {}),
+                                decided=st.decisions.get(graph), cache=self._cache, sample=sample)
+        st.decisions.setdefault(graph, program.decisions)
+        return program
 
     def _by_length(self, key: tuple) -> tuple[tuple, int] | None:
         """(the program key with the sequence length left out, the length), or None when the inputs
@@ -1057,7 +1062,10 @@ class CompiledModel:
             half = tuple((s[0], length // 2, *s[2:]) if along_seq else s
                          for s, along_seq in zip(key[0], self._sequence_inputs))
             try:
-                self._program(st, half, train=key[1], reduce=key[2])
+                # read as a graph only, and not kept: a step at this length runs a program written from the fit
+                sample = self._lower(st, (half, key[1], key[2]), sample=True)
+                st.fit_seconds += sample.seconds
+                family.lowered.append((length // 2, sample))
                 self._length_fit(st, family)
             except Exception as e:  # noqa: BLE001 - a half the sharding does not divide, say: no fit, no harm
                 family.refused = family.refused or f"{type(e).__name__}: {e}"
