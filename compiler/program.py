@@ -349,7 +349,9 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 raise
             deferred_specs = [sharding.output_specs[i] for i in deferred]
             mixed = mixes_rows(sharding, dp_dim) if dp_dim is not None else ()
-            replayed_all = sharding.replayed > 0 and not sharding.searched
+            # (on a one-device mesh, a pipeline stage of its own, every value is whole: nothing to
+            # search or replay, and the program is a function of its shapes alone)
+            replayed_all = (sharding.replayed > 0 or mesh.size() == 1) and not sharding.searched
             data = None
             if cache is not None and not sample and cache.keeps("shared program" if shared is not None else "program"):
                 try:

@@ -380,12 +380,48 @@ def check_dynamic_lengths():
     return out
 
 
+def check_dynamic_pipeline_stages():
+    """pp2, each stage on a device of its own (nothing to shard, so no decision to replay): with
+    `dynamic=True` each stage's micro-batch programs are fitted in the length while compiling, and
+    steps at later lengths run programs written from the fit, with the numbers of programs lowered
+    at each length (`dynamic=False`), bit for bit, and one device's."""
+    import os
+
+    model = make_model("llama")
+    os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered or fitted here, none loaded
+    try:
+        dynamic = hs.compile(model, batch(), ["pp2"], dynamic=True)
+        fixed = hs.compile(model, batch(), ["pp2"], dynamic=False, logic=dynamic.logic)
+    finally:
+        del os.environ["HOTSWITCH_CACHE"]
+    out = {"fits": [f.fit is not None for f in dynamic._state("pp2").lengths.values()]}
+    for seq in (16, 20):
+        ids, labels = batch(seq=seq)
+        loss_ref, grads_ref = reference(model, ids, labels)
+        row = {}
+        for label, cm in (("dynamic", dynamic), ("fixed", fixed)):
+            cm.zero_grad()
+            loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
+            grads = cm.full_grads()
+            row[label] = dict(loss=float(loss), grads={n: g.clone() for n, g in grads.items()},
+                              fitted=sorted({p.fitted for k, p in cm._state("pp2").programs.items()
+                                             if k[0][0][1] == seq}, key=str),
+                              loss_err=abs(loss.item() - loss_ref.item()) / loss_ref.item(),
+                              grad_err=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
+        row["same_grads"] = all(torch.equal(row["dynamic"]["grads"][n], row["fixed"]["grads"][n])
+                                for n in row["fixed"]["grads"])
+        for run in ("dynamic", "fixed"):
+            del row[run]["grads"]
+        out[seq] = row
+    return out
+
+
 results = dist_fixture(2, [check_second_pass_reuses_unchanged_decisions, check_lowering_equals_make_fx,
                            check_alike_ops_are_decided_once,
                            check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
                            check_learned_positions_with_a_tied_embedding,
                            check_a_warm_cache_replays_decisions, check_a_warm_cache_fits_later_lengths,
-                           check_dynamic_lengths,
+                           check_dynamic_lengths, check_dynamic_pipeline_stages,
                            check_gradient_buckets_reduce_behind_the_backward,
                            check_waits_sit_where_results_are_read, check_wrong_device_count,
                            check_tp_not_dividing_heads, check_unknown_config, check_op_without_rule,
@@ -541,6 +577,17 @@ def test_dynamic_lengths(results):
         assert r["odd_fits"] == [False] and any("11, is odd" in m for m in r["odd_said"]), r["odd_said"]
         # asked for and not given: a warning says so too, where no progress callback is passed
         assert len(r["odd_warned"]) == 1 and "11, is odd" in r["odd_warned"][0], r["odd_warned"]
+
+
+def test_dynamic_pipeline_stages_are_fitted(results):
+    for r in results["check_dynamic_pipeline_stages"].raise_if_failed():
+        assert r["fits"] and all(r["fits"]), r["fits"]  # every stage program's rows, fitted while compiling
+        for seq in (16, 20):
+            dynamic, fixed = r[seq]["dynamic"], r[seq]["fixed"]
+            assert dynamic["fitted"] == [(12, 6)] and fixed["fitted"] == [None], (seq, dynamic, fixed)
+            assert dynamic["loss"] == fixed["loss"] and r[seq]["same_grads"], seq
+            for run in (dynamic, fixed):
+                assert run["loss_err"] < 1e-5 and run["grad_err"] < 1e-4, (seq, run)
 
 
 def test_lowering_builds_the_program_make_fx_would_trace(results):
