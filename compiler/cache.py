@@ -1,6 +1,6 @@
 """The persistent compile cache: what is costly to compute and the same in every later process.
 
-Three kinds of entries, each under a key that hashes everything it depends on:
+Four kinds of entries, each under a key that hashes everything it depends on:
 
 - "logic": a traced LogicGraph (`logic_io.dumps_logic`), keyed by the model's fingerprint
   (`compiler.fingerprint`: its code, settings, state shapes and example inputs); a later run, an
@@ -10,8 +10,11 @@ Three kinds of entries, each under a key that hashes everything it depends on:
   buffers and inputs' dtypes, data and sequence parallelism, strictness), replayed instead of searched.
 - "program": a rank's lowered ExecGraph (`logic_io.dumps_program`), keyed also by the local shapes,
   the rank's mesh coordinate and the decisions ("shared program": one every dp rank lowers alike,
-  keyed without the dp coordinate). A program written from a length fit is not cached: a later
-  process fits the two cached programs again, which costs less than writing every length.
+  keyed without the dp coordinate).
+- "length fit": the fit of a program and its replay at another sequence length
+  (`logic_io.dumps_fit`), keyed by that program's key and the two lengths; a later process that
+  loads the program writes every further length from it. The programs written from a fit are not
+  cached: writing one costs less than reading it from disk.
 
 Every key also holds the torch version, hotswitch's and a digest of the compiler's and kernels' source, so an
 entry written by other code is never read. Where: `$HOTSWITCH_CACHE_DIR`, else

@@ -261,10 +261,11 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     stored = None  # the key the cache keeps this program under
     if cache is not None and decided is not None:  # this rank's very program, lowered by an earlier process
         for any_dp in ((True, False) if dp_dim is not None else (False,)):
-            stored = program_key(decided, any_dp)
-            entry = cache.get(stored, "program")
+            looked_up = program_key(decided, any_dp)
+            entry = cache.get(looked_up, "program")
             if entry is not None:
                 gm, deferred_specs, mixed, replayed_all = load(entry)
+                stored = looked_up if gm is not None else None
                 break
     # graph -> did its last program leave the dp coordinate unread (`reads_coordinate`)? Then one with
     # the same decisions does too: it is looked up, or claimed, before the decisions are replayed
@@ -277,7 +278,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         entry = cache.get(claimed, "shared program")
         if entry is not None:
             gm, deferred_specs, mixed, replayed_all = load(entry)
-            stored, claimed = claimed, None  # another rank lowered it; nothing of ours to publish
+            stored = claimed if gm is not None else None
+            claimed = None  # another rank lowered it; nothing of ours to publish
     loaded = gm is not None
     if loaded:
         decisions = decided  # nothing propagated: the program already holds what the decisions lead to
@@ -332,7 +334,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             if entry is not None:
                 gm, deferred_specs, mixed, replayed_all = load(entry)
                 loaded = gm is not None
-                stored, shared = shared, None  # nothing to publish: another rank (or an earlier process) lowered it
+                stored = shared if loaded else None
+                shared = None  # nothing to publish: another rank (or an earlier process) lowered it
         if key is not None and decided is None:
             # published once this rank has claimed the shared program it lowers: a dp rank that the
             # decisions tell to wait for one finds it claimed, and does not lower it a second time
@@ -358,7 +361,6 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                     data = dumps_program(gm, {name: i for i, name in enumerate(groups)})
                 except Exception:  # noqa: BLE001 - a value pickle cannot write: this program is not cached
                     data = None
-            stored = None
             if data is not None:
                 entry = (data, [dt.encode_spec(s) for s in deferred_specs], mixed, replayed_all)
                 if shared is not None:

@@ -1015,7 +1015,8 @@ class CompiledModel:
         process filed it in the compile cache (CannotFit: why not, kept)."""
         if family.fit is None:
             (length_a, first), (length_b, second) = family.lowered
-            if self._cached_fit(st, family, length_b):
+            key = fit_key(self._cache, first, length_a, length_b)
+            if self._cached_fit(st, family, key):
                 return family.fit
             t0 = time.perf_counter()
             try:
@@ -1025,20 +1026,17 @@ class CompiledModel:
                 raise
             finally:
                 st.fit_seconds += time.perf_counter() - t0
-            key = fit_key(self._cache, first, length_a, length_b)
             if key is not None:
                 store_fit(self._cache, key, family.fit, st.where)
         return family.fit
 
-    def _cached_fit(self, st: ConfigState, family: LengthFamily, length_b: int) -> bool:
-        """Did the compile cache hold the fit of `family`'s first program with its replay at
-        `length_b`? (It is then `family.fit`.)"""
-        length_a, first = family.lowered[0]
-        key = fit_key(self._cache, first, length_a, length_b)
+    def _cached_fit(self, st: ConfigState, family: LengthFamily, key: str | None) -> bool:
+        """Did the compile cache hold, under `key` (`fit_key`; None: nowhere to look), the fit of
+        `family`'s first program? (It is then `family.fit`.)"""
         if key is None:
             return False
         t0 = time.perf_counter()
-        family.fit = load_fit(self._cache, key, first, st.where)
+        family.fit = load_fit(self._cache, key, family.lowered[0][1], st.where)
         st.fit_seconds += time.perf_counter() - t0
         family.fit_loaded = family.fit is not None
         return family.fit_loaded
@@ -1054,7 +1052,7 @@ class CompiledModel:
         length = found[1]
         if length % 2:
             family.refused = f"the first length, {length}, is odd: no second length to fit with was chosen"
-        elif self._cached_fit(st, family, length // 2):
+        elif self._cached_fit(st, family, fit_key(self._cache, family.lowered[0][1], length, length // 2)):
             self._report(f"{st.config.name}: fitted in the sequence length from lengths {length // 2} and {length} "
                          "(loaded: the compile cache had the fit)")
             return
