@@ -214,18 +214,19 @@ def _said(backend: str, whole: bool, padded: bool) -> str:
     return f"{backend} kernel ({'causal' if whole else 'masked'}{', its mask padded' if padded else ''})"
 
 
-def kernels_hold(graph: fx.Graph) -> str | None:
+def kernels_hold(graph: fx.Graph, value=lambda node: node.meta["val"]) -> str | None:
     """None when each fused attention kernel of `graph` (a program written at another length from a
-    fit, its nodes' values at this length) is still the one `fuse_attention` would write here, else
-    why not (SDPA picks another kernel here, or the mask needs other padding)."""
+    fit, its nodes' values at this length: `value(node)`, their meta values unless said otherwise)
+    is still the one `fuse_attention` would write here, else why not (SDPA picks another kernel
+    here, or the mask needs other padding)."""
     by_name, choices = None, {}
     for node in graph.nodes:
         site = node.meta.get("sdpa")
         if site is None:
             continue
         by_name = by_name or {n.name: n for n in graph.nodes}
-        q, k = by_name[site.q].meta["val"], by_name[site.k].meta["val"]
-        mask = by_name[site.mask].meta["val"] if site.mask in by_name else None  # unread by a causal kernel
+        q, k = value(by_name[site.q]), value(by_name[site.k])
+        mask = value(by_name[site.mask]) if site.mask in by_name else None  # unread by a causal kernel
         if mask is None and not (site.causal and q.shape[2] == k.shape[2]):
             return (f"attention at {list(q.shape)} needs its mask here, which the causal kernel of the fitted "
                     "lengths dropped")

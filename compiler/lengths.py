@@ -57,6 +57,8 @@ from ._torch import (
     codegen,
     copy_node,
     module_with_code,
+    module_with_lazy_graph,
+    pytree,
     renamed_strings,
     written_code,
 )
@@ -149,10 +151,14 @@ class _TensorFit:
     dtype: torch.dtype
     requires_grad: bool
 
-    def at(self, length: int) -> torch.Tensor:
+    def sizes_at(self, length: int) -> list[int]:
         sizes = [_at(s, length) for s in self.sizes]
         if min(sizes, default=0) < 0:
             raise CannotFit(f"a size would be negative at length {length}: {sizes}")
+        return sizes
+
+    def at(self, length: int) -> torch.Tensor:
+        sizes = self.sizes_at(length)
         strides = self.strides
         if strides is None:
             strides, step = [0] * len(sizes), 1
@@ -250,13 +256,20 @@ def _val_at(fitted, length: int):
     return _at(fitted, length)
 
 
-def _run_on_meta(node: fx.Node):
-    """`node`'s value from its inputs' (meta) values: its op run on them."""
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: n.meta["val"])
-    try:
-        return node.target(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - an op without a meta kernel, say: the length is lowered
-        raise CannotFit(f"its value at this length could not be computed ({type(e).__name__}: {e})") from None
+def _sizes_at(fitted, length: int):
+    """What `_val_at` checks and gives, sizes only (a tensor's as a list): no meta tensor made."""
+    if isinstance(fitted, _TensorFit):
+        return fitted.sizes_at(length)
+    if isinstance(fitted, (tuple, list)):
+        return type(fitted)(_sizes_at(x, length) for x in fitted)
+    return _at(fitted, length)
+
+
+def _numel(sizes) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
 
 
 # an integer literal as fx writes one: not part of a name, a float (1e-05, 0.5), a string ('3') or a
@@ -384,32 +397,95 @@ class LengthFit:
     code: _CodeTemplate | None = None  # its code as the length changes (None: fx writes it)
 
     def at(self, length: int) -> fx.GraphModule:
-        """The program at `length` (raises CannotFit where the fit does not hold there)."""
-        graph, env = fx.Graph(), {}
+        """The program at `length` (raises CannotFit where the fit does not hold there: `check`).
+
+        Where its code comes from the template, its graph is written only when something reads it
+        (`module_with_lazy_graph`, as a program loaded from the compile cache): running the program
+        needs its code alone, so a new length costs its integers and its code, not a copy of every
+        node and value."""
+        self.check(length)
+        if self.code is None or self._attrs is None:
+            graph = fx.Graph()
+            self._write(graph, length)
+            if self.code is None:
+                return fx.GraphModule(self.first, graph)
+            return module_with_code(self.first, graph, self.code.at(length))
+        return module_with_lazy_graph(self._attrs, codegen(self.first.graph), self.code.at(length),
+                                      functools.partial(self._write, length=length))
+
+    def check(self, length: int) -> None:
+        """Raise CannotFit where the program at `length` cannot be written: an integer that is not
+        whole, a size that would be negative, a value its op does not give, or a view whose input and
+        output would hold different numbers of elements (how an integer that is not affine shows).
+        From sizes alone where a value is fitted (no meta tensor made)."""
+        for leaves in self.args.values():
+            for x in leaves:
+                if isinstance(x, Affine):
+                    x.at(length)
+        sizes, ran = {}, {}
+        for node, fitted in self.vals.items():  # in the program's order: a view's input comes first
+            try:
+                sizes[node] = _sizes_at(fitted, length) if fitted is not _RUN else \
+                    pytree.tree_map_only(torch.Tensor, lambda t: list(t.shape), self.value_at(node, length, ran))
+            except CannotFit as e:
+                raise CannotFit(f"{node.name} ({node.target}): {e}") from None
+            if node.target in RESHAPE_OPS:
+                source = node.args[0]
+                before = sizes[source] if source in sizes else list(source.meta["val"].shape)
+                if _numel(before) != _numel(sizes[node]):
+                    raise CannotFit(f"{node.name} would view {before} as {sizes[node]} at length {length}: "
+                                    "an integer is not affine in the length")
+
+    def value_at(self, node: fx.Node, length: int, memo: dict | None = None):
+        """The meta value of `node` (one of the first program's) in the program at `length`, without
+        writing that program: fitted, the first's where it does not change, or its op run on its
+        inputs' values (`memo`: those computed so far at this length)."""
+        fitted = self.vals.get(node)
+        if fitted is None:
+            return node.meta.get("val")
+        if fitted is not _RUN:
+            return _val_at(fitted, length)
+        memo = {} if memo is None else memo
+        if node not in memo:
+            args, kwargs = fx.node.map_arg(self._arguments_at(node, length, lambda x: x),
+                                           lambda n: self.value_at(n, length, memo))
+            try:
+                memo[node] = node.target(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - an op without a meta kernel, say: the length is lowered
+                raise CannotFit(f"its value at this length could not be computed ({type(e).__name__}: {e})") from None
+        return memo[node]
+
+    def _arguments_at(self, node: fx.Node, length: int, new_node) -> tuple:
+        """`node`'s (args, kwargs) at `length`, each node in them as `new_node` maps it."""
+        fitted = self.args.get(node)
+        if fitted is None:
+            return fx.node.map_arg((node.args, node.kwargs), new_node)
+        leaves = iter([new_node(x) if isinstance(x, fx.Node) else _at(x, length) for x in fitted])
+        return fx.node.map_aggregate(resolved_arguments(node), lambda _: next(leaves))
+
+    @functools.cached_property
+    def _attrs(self) -> dict | None:
+        """The tensors the first program's code reads as attributes, by name (None: a name that is a
+        path, which a module without the graph would not resolve)."""
+        names = [n.target for n in self.first.graph.nodes if n.op == "get_attr"]
+        if not all(name.isidentifier() for name in names):
+            return None
+        return {name: getattr(self.first, name) for name in names}
+
+    def _write(self, graph: fx.Graph, length: int) -> None:
+        """The program's nodes at `length` (`check`ed) written into `graph`, an empty one."""
+        env, memo = {}, {}
         codegen(graph, codegen(self.first.graph))
         for node in self.first.graph.nodes:
-            fitted = self.args.get(node)
-            if fitted is None:
-                new = copy_node(graph, node, env.__getitem__)  # its meta copied
-            else:
-                leaves = iter([env[x] if isinstance(x, fx.Node) else _at(x, length) for x in fitted])
-                args, kwargs = fx.node.map_aggregate(resolved_arguments(node), lambda _: next(leaves))
+            if node in self.args:
+                args, kwargs = self._arguments_at(node, length, env.__getitem__)
                 new = add_node(graph, node.op, node.target, args, kwargs, name=node.name)
                 new.meta.update(node.meta)
+            else:
+                new = copy_node(graph, node, env.__getitem__)  # its meta copied
             if node in self.vals:
-                try:
-                    new.meta["val"] = _run_on_meta(new) if self.vals[node] is _RUN else _val_at(self.vals[node], length)
-                except CannotFit as e:
-                    raise CannotFit(f"{node.name} ({node.target}): {e}") from None
-                if node.target in RESHAPE_OPS:  # the number of elements kept: the check at a new length
-                    before, after = env[node.args[0]].meta["val"], new.meta["val"]
-                    if before.numel() != after.numel():
-                        raise CannotFit(f"{node.name} would view {list(before.shape)} as {list(after.shape)} "
-                                        f"at length {length}: an integer is not affine in the length")
+                new.meta["val"] = self.value_at(node, length, memo)
             env[node] = new
-        if self.code is not None:
-            return module_with_code(self.first, graph, self.code.at(length))
-        return fx.GraphModule(self.first, graph)
 
     def portable(self, names: dict[str, str], scope) -> tuple | None:
         """This fit apart from its first program, for `bound` in another process: nodes by name, each

@@ -19,6 +19,7 @@ gradients), so each rank's own graph is exact, and so are the reductions.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from dataclasses import dataclass, replace
@@ -28,7 +29,7 @@ import torch
 import torch.fx as fx
 
 from . import _dtensor as dt
-from ._torch import pytree
+from ._torch import graph_built, pytree
 from .attention import kernels_hold
 from .cache import CompileCache
 from .garbage import collector_paused
@@ -445,12 +446,15 @@ def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes:
     Llama) costs less than writing it to disk, and a later process fits the two cached programs."""
     t0 = time.perf_counter()
     gm = fitted.at(length)
-    reason = kernels_hold(gm.graph)
+    # the values at this length, read off the fit where the program's graph is not written yet
+    graph, value = (gm.graph, lambda n: n.meta["val"]) if graph_built(gm) else \
+        (fitted.first.graph, functools.partial(fitted.value_at, length=length))
+    reason = kernels_hold(graph, value)
     if reason is not None:
         raise CannotFit(reason)
     gm.meta["hotswitch"] = {**like.joint.meta["hotswitch"], "local_shapes": tuple(local_shapes), "sharding": None}
     # a stage's boundary: the last placeholders are the activations and the gradients it receives
-    received = [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+    received = [value(n) for n in graph.nodes if n.op == "placeholder"]
     received = received[len(received) - len(like.recv_acts) - len(like.recv_grads):]
     received = [(tuple(v.shape), v.dtype) for v in received]
     forward, backward = gm, None

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from hotswitch.compiler._torch import graph_built
 from hotswitch.compiler.lengths import CannotFit, affine_in_length, fit
 from tests.reference_lowering import same_program
 
@@ -66,6 +67,30 @@ def test_a_fitted_program_equals_the_traced_one_at_a_new_length():
     x = torch.randn(4, 20, H)
     for got, want in zip(at20(x), c(x)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_fitted_program_runs_before_its_graph_is_written():
+    """A program written from the template is its code until something reads its graph: running it
+    writes no node, and the graph written when first read is the traced program's, each value the
+    one `value_at` reads off the fit without writing it (fitted, or the op run on its inputs' values
+    where strides move with the length: the slice of the [L, L] scores)."""
+    a, b, c = _programs(_attention_like, (8, 12, 20))
+    fitted = fit(a, 8, b, 12)
+    at20 = fitted.at(20)
+    assert not graph_built(at20)
+    x = torch.randn(4, 20, H)
+    for got, want in zip(at20(x), c(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not graph_built(at20)
+    read_off = {n.name: fitted.value_at(n, 20) for n in a.graph.nodes}
+    ran = [n for n in a.graph.nodes if n.target is torch.ops.aten.slice.Tensor
+           and n.meta["val"].stride()[-2] == 8 and fitted.value_at(n, 20).stride()[-2] == 20]
+    assert ran  # the slice of the scores: its stride is the length
+    assert same_program(at20, c) is None  # its graph, written now
+    layout = lambda t: (tuple(t.shape), t.stride(), t.dtype) if isinstance(t, torch.Tensor) else t  # noqa: E731
+    for n in at20.graph.nodes:
+        assert torch.utils._pytree.tree_map(layout, read_off[n.name]) == \
+            torch.utils._pytree.tree_map(layout, n.meta.get("val")), n.name
 
 
 def test_a_size_of_minus_one_is_read_as_the_size_it_stands_for():
