@@ -19,11 +19,11 @@ from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, in sympy
 
-__all__ = ["FakeTensorMode", "FloorDiv", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen",
+__all__ = ["FakeTensorMode", "FloorDiv", "OpName", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen",
            "codeless_module", "codeless_modules", "copied_graph", "copy_node", "core_aten_decompositions",
            "detect_fake_mode", "graph_built", "half_precision_math_attention", "inductor_compile",
            "inductor_default_cache_dir", "is_mutable", "lists_codegen", "map_args", "meta_like", "module_with_code",
-           "module_with_lazy_graph", "op_schema", "pytree", "renamed_strings", "sdpa_backend", "size_hint",
+           "module_with_lazy_graph", "op_of", "op_schema", "pytree", "renamed_strings", "sdpa_backend", "size_hint",
            "symbolic_fake_mode", "symbols_of", "with_code", "written_code"]
 
 OpOverload = torch._ops.OpOverload
@@ -207,6 +207,29 @@ def codegen(graph, value=None):
     if value is not None:
         graph._codegen = value
     return graph._codegen
+
+
+@dataclass(frozen=True)
+class OpName:
+    """An aten overload by its qualified name ("aten::add.Tensor"): what pickle can write of one (an
+    OpOverload does not pickle)."""
+
+    qualified: str
+
+    @staticmethod
+    def of(target):
+        """`target` as pickle can write it: an overload by its name, anything else as it is."""
+        return OpName(target.name()) if isinstance(target, OpOverload) else target
+
+    def op(self) -> OpOverload:
+        namespace, rest = self.qualified.split("::")
+        packet, _, overload = rest.partition(".")
+        return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
+
+
+def op_of(target):
+    """`OpName.of` inverted: the overload an OpName names, anything else as it is."""
+    return target.op() if isinstance(target, OpName) else target
 
 
 @dataclass(frozen=True)

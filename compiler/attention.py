@@ -214,19 +214,15 @@ def _said(backend: str, whole: bool, padded: bool) -> str:
     return f"{backend} kernel ({'causal' if whole else 'masked'}{', its mask padded' if padded else ''})"
 
 
-def kernels_hold(graph: fx.Graph, value=lambda node: node.meta["val"]) -> str | None:
-    """None when each fused attention kernel of `graph` (a program written at another length from a
-    fit, its nodes' values at this length: `value(node)`, their meta values unless said otherwise)
-    is still the one `fuse_attention` would write here, else why not (SDPA picks another kernel
-    here, or the mask needs other padding)."""
-    by_name, choices = None, {}
-    for node in graph.nodes:
-        site = node.meta.get("sdpa")
-        if site is None:
-            continue
-        by_name = by_name or {n.name: n for n in graph.nodes}
-        q, k = value(by_name[site.q]), value(by_name[site.k])
-        mask = value(by_name[site.mask]) if site.mask in by_name else None  # unread by a causal kernel
+def kernels_hold(sites, value) -> str | None:
+    """None when each fused attention kernel of a program written at another length from a fit (its
+    forward nodes' `sites`, FusedSites; `value(name)`: a node's meta value at this length, None where
+    there is no such node) is still the one `fuse_attention` would write here, else why not (SDPA
+    picks another kernel here, or the mask needs other padding)."""
+    choices = {}
+    for site in sites:
+        q, k = value(site.q), value(site.k)
+        mask = value(site.mask)  # unread by a causal kernel
         if mask is None and not (site.causal and q.shape[2] == k.shape[2]):
             return (f"attention at {list(q.shape)} needs its mask here, which the causal kernel of the fitted "
                     "lengths dropped")

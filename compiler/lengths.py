@@ -50,18 +50,22 @@ import torch.fx as fx
 
 from ._torch import (
     FloorDiv,
+    OpName,
     OpOverload,
     WrittenCode,
     add_node,
     arg_leaves,
     codegen,
     copy_node,
+    graph_built,
     module_with_code,
     module_with_lazy_graph,
+    op_of,
     pytree,
     renamed_strings,
     written_code,
 )
+from .attention import kernels_hold
 from .tp_rules import RESHAPE_OPS, SIZED_VIEW_OPS
 
 __all__ = ["CannotFit", "LengthFit", "affine_in_length", "fit", "resolved_arguments"]
@@ -387,13 +391,53 @@ class _Named:
 
 
 @dataclass(frozen=True)
+class _Reads:
+    """What writing the program at a length reads of the first program's graph besides the fit, read
+    off it once when fitting: a fit loaded with a program whose graph is not built yet (from the
+    compile cache) checks and writes lengths without building it. Nodes by name."""
+
+    attrs: tuple[str, ...] | None  # the tensors its code reads as attributes (None: one named by a path)
+    codegen: object  # how its graph writes its code
+    values: dict  # name -> meta value, of the nodes read below whose value does not change
+    reshapes: dict  # name -> its input's name, of the views among the values that change
+    runs: dict  # name -> (op, arguments with nodes as _Named), of the values computed by running their op
+    sites: tuple  # the fused attention kernels' FusedSites (`attention.kernels_hold`)
+    placeholders: tuple[str, ...]
+
+    @staticmethod
+    def of(first: fx.GraphModule, vals: dict) -> _Reads:
+        nodes = {n.name: n for n in first.graph.nodes}
+        named = lambda a: _Named(a.name) if isinstance(a, fx.Node) else a  # noqa: E731
+        reshapes = {n.name: n.args[0].name for n in vals if n.target in RESHAPE_OPS}
+        runs = {n.name: (n.target, fx.node.map_aggregate(resolved_arguments(n), named))
+                for n, v in vals.items() if v is _RUN}
+        sites = tuple(n.meta["sdpa"] for n in first.graph.nodes if n.meta.get("sdpa") is not None)
+        placeholders = tuple(n.name for n in first.graph.nodes if n.op == "placeholder")
+        read = {*reshapes.values(), *placeholders, *(x for s in sites for x in (s.q, s.k, s.mask))}
+        read.update(n.name for n in vals if vals[n] is _RUN for n in n.all_input_nodes)
+        changing = {n.name for n in vals}
+        attrs = tuple(n.target for n in first.graph.nodes if n.op == "get_attr")
+        return _Reads(attrs if all(a.isidentifier() for a in attrs) else None, codegen(first.graph),
+                      {x: nodes[x].meta.get("val") for x in read if x in nodes and x not in changing},
+                      reshapes, runs, sites, placeholders)
+
+    def mapped(self, rename, op) -> _Reads:
+        """These reads with each string of the ops' arguments mapped by `rename`, each op by `op`
+        (`OpName.of` to write them out, `op_of` to read them back)."""
+        runs = {k: (op(target), fx.node.map_aggregate(args, rename)) for k, (target, args) in self.runs.items()}
+        return replace(self, runs=runs)
+
+
+@dataclass(frozen=True)
 class LengthFit:
-    """The program `first` (lowered at `lengths[0]`) with its integers as functions of the length."""
+    """The program `first` (lowered at `lengths[0]`) with its integers as functions of the length,
+    its nodes by name (`_Named`): it binds to `first`'s graph only to write one (`at`)."""
 
     first: fx.GraphModule
     lengths: tuple[int, int]
-    args: dict  # node of `first` -> its arguments' leaves (Nodes, constants, Affines), where some change
-    vals: dict  # node of `first` -> its meta value as the length changes, where it changes
+    args: dict  # node name -> its arguments' leaves (_Named nodes, constants, Affines), where some change
+    vals: dict  # node name -> its meta value as the length changes, where it changes (in the program's order)
+    reads: _Reads
     code: _CodeTemplate | None = None  # its code as the length changes (None: fx writes it)
 
     def at(self, length: int) -> fx.GraphModule:
@@ -402,15 +446,16 @@ class LengthFit:
         Where its code comes from the template, its graph is written only when something reads it
         (`module_with_lazy_graph`, as a program loaded from the compile cache): running the program
         needs its code alone, so a new length costs its integers and its code, not a copy of every
-        node and value."""
+        node and value, and does not build the graph of a first program loaded without one."""
         self.check(length)
-        if self.code is None or self._attrs is None:
+        if self.code is None or self.reads.attrs is None:
             graph = fx.Graph()
             self._write(graph, length)
             if self.code is None:
                 return fx.GraphModule(self.first, graph)
             return module_with_code(self.first, graph, self.code.at(length))
-        return module_with_lazy_graph(self._attrs, codegen(self.first.graph), self.code.at(length),
+        attrs = {name: getattr(self.first, name) for name in self.reads.attrs}
+        return module_with_lazy_graph(attrs, self.reads.codegen, self.code.at(length),
                                       functools.partial(self._write, length=length))
 
     def check(self, length: int) -> None:
@@ -423,118 +468,118 @@ class LengthFit:
                 if isinstance(x, Affine):
                     x.at(length)
         sizes, ran = {}, {}
-        for node, fitted in self.vals.items():  # in the program's order: a view's input comes first
+        for name, fitted in self.vals.items():  # in the program's order: a view's input comes first
             try:
-                sizes[node] = _sizes_at(fitted, length) if fitted is not _RUN else \
-                    pytree.tree_map_only(torch.Tensor, lambda t: list(t.shape), self.value_at(node, length, ran))
+                sizes[name] = _sizes_at(fitted, length) if fitted is not _RUN else \
+                    pytree.tree_map_only(torch.Tensor, lambda t: list(t.shape), self.value_at(name, length, ran))
             except CannotFit as e:
-                raise CannotFit(f"{node.name} ({node.target}): {e}") from None
-            if node.target in RESHAPE_OPS:
-                source = node.args[0]
-                before = sizes[source] if source in sizes else list(source.meta["val"].shape)
-                if _numel(before) != _numel(sizes[node]):
-                    raise CannotFit(f"{node.name} would view {before} as {sizes[node]} at length {length}: "
+                raise CannotFit(f"{name}: {e}") from None
+            source = self.reads.reshapes.get(name)
+            if source is not None:
+                before = sizes[source] if source in sizes else list(self.reads.values[source].shape)
+                if _numel(before) != _numel(sizes[name]):
+                    raise CannotFit(f"{name} would view {before} as {sizes[name]} at length {length}: "
                                     "an integer is not affine in the length")
 
-    def value_at(self, node: fx.Node, length: int, memo: dict | None = None):
-        """The meta value of `node` (one of the first program's) in the program at `length`, without
+    def value_at(self, name: str, length: int, memo: dict | None = None):
+        """The meta value of the first program's node `name` in the program at `length`, without
         writing that program: fitted, the first's where it does not change, or its op run on its
-        inputs' values (`memo`: those computed so far at this length)."""
-        fitted = self.vals.get(node)
+        inputs' values (`memo`: those computed so far at this length). Only the nodes `_Reads` keeps."""
+        fitted = self.vals.get(name)
         if fitted is None:
-            return node.meta.get("val")
+            return self.reads.values[name]
         if fitted is not _RUN:
             return _val_at(fitted, length)
         memo = {} if memo is None else memo
-        if node not in memo:
-            args, kwargs = fx.node.map_arg(self._arguments_at(node, length, lambda x: x),
-                                           lambda n: self.value_at(n, length, memo))
+        if name not in memo:
+            op, arguments = self.reads.runs[name]
+            args, kwargs = self._arguments_at(name, arguments, length, lambda x: self.value_at(x.name, length, memo))
             try:
-                memo[node] = node.target(*args, **kwargs)
+                memo[name] = op(*args, **kwargs)
             except Exception as e:  # noqa: BLE001 - an op without a meta kernel, say: the length is lowered
                 raise CannotFit(f"its value at this length could not be computed ({type(e).__name__}: {e})") from None
-        return memo[node]
+        return memo[name]
 
-    def _arguments_at(self, node: fx.Node, length: int, new_node) -> tuple:
-        """`node`'s (args, kwargs) at `length`, each node in them as `new_node` maps it."""
-        fitted = self.args.get(node)
+    def kernels_hold(self, length: int) -> str | None:
+        """`attention.kernels_hold` for the program at `length`, its values read off the fit."""
+        known = lambda name: name in self.vals or name in self.reads.values  # noqa: E731
+        return kernels_hold(self.reads.sites, lambda name: self.value_at(name, length) if known(name) else None)
+
+    def placeholder_values(self, length: int) -> list:
+        """The meta values of the program's inputs at `length`."""
+        return [self.value_at(name, length) for name in self.reads.placeholders]
+
+    def _arguments_at(self, name: str, arguments, length: int, node) -> tuple:
+        """The (args, kwargs) of node `name` at `length`, from `arguments` (its own, resolved
+        (`resolved_arguments`), its nodes as they are or as _Named), each node mapped by `node`."""
+        fitted = self.args.get(name)
         if fitted is None:
-            return fx.node.map_arg((node.args, node.kwargs), new_node)
-        leaves = iter([new_node(x) if isinstance(x, fx.Node) else _at(x, length) for x in fitted])
-        return fx.node.map_aggregate(resolved_arguments(node), lambda _: next(leaves))
-
-    @functools.cached_property
-    def _attrs(self) -> dict | None:
-        """The tensors the first program's code reads as attributes, by name (None: a name that is a
-        path, which a module without the graph would not resolve)."""
-        names = [n.target for n in self.first.graph.nodes if n.op == "get_attr"]
-        if not all(name.isidentifier() for name in names):
-            return None
-        return {name: getattr(self.first, name) for name in names}
+            return fx.node.map_aggregate(arguments, lambda a: node(a) if isinstance(a, (fx.Node, _Named)) else a)
+        leaves = iter([node(x) if isinstance(x, _Named) else _at(x, length) for x in fitted])
+        return fx.node.map_aggregate(arguments, lambda _: next(leaves))
 
     def _write(self, graph: fx.Graph, length: int) -> None:
         """The program's nodes at `length` (`check`ed) written into `graph`, an empty one."""
         env, memo = {}, {}
-        codegen(graph, codegen(self.first.graph))
+        codegen(graph, self.reads.codegen)
         for node in self.first.graph.nodes:
-            if node in self.args:
-                args, kwargs = self._arguments_at(node, length, env.__getitem__)
+            if node.name in self.args:
+                args, kwargs = self._arguments_at(node.name, resolved_arguments(node), length,
+                                                  lambda x: env[x.name])
                 new = add_node(graph, node.op, node.target, args, kwargs, name=node.name)
                 new.meta.update(node.meta)
             else:
-                new = copy_node(graph, node, env.__getitem__)  # its meta copied
-            if node in self.vals:
-                new.meta["val"] = self.value_at(node, length, memo)
-            env[node] = new
+                new = copy_node(graph, node, lambda x: env[x.name])  # its meta copied
+            if node.name in self.vals:
+                new.meta["val"] = self.value_at(node.name, length, memo) if self.vals[node.name] is _RUN else \
+                    _val_at(self.vals[node.name], length)
+            env[node.name] = new
 
     def portable(self, names: dict[str, str], scope) -> tuple | None:
-        """This fit apart from its first program, for `bound` in another process: nodes by name, each
-        string `names` maps (a process group's name) replaced, the code's globals mapped by `scope`.
-        None where the code cannot be written so."""
+        """This fit apart from its first program, for `bound` in another process: each string
+        `names` maps (a process group's name) replaced, the code's globals mapped by `scope`. None
+        where the code cannot be written so."""
         code = None
         if self.code is not None:
             code = self.code.renamed(names, scope)
             if code is None:
                 return None
-
-        def leaf(x):
-            if isinstance(x, fx.Node):
-                return _Named(x.name)
-            return names.get(x, x) if type(x) is str else x
-
-        args = {n.name: tuple(map(leaf, leaves)) for n, leaves in self.args.items()}
-        vals = {n.name: v for n, v in self.vals.items()}
-        return self.lengths, args, vals, code, _outline(self.first)
+        rename = lambda x: names.get(x, x) if type(x) is str else x  # noqa: E731
+        args = {k: tuple(map(rename, leaves)) for k, leaves in self.args.items()}
+        return self.lengths, args, self.vals, self.reads.mapped(rename, OpName.of), code, program_outline(self.first)
 
     @staticmethod
     def bound(first: fx.GraphModule, portable: tuple, names: dict[str, str], scope) -> LengthFit:
         """`portable` (from `LengthFit.portable`) as the fit of `first`, the program it was made
-        from, strings and globals mapped back by `names` and `scope` (KeyError: a node it names is
-        not in `first`; ValueError: `first` is not the program it was made from, node for node)."""
-        lengths, args, vals, code, outline = portable
-        if _outline(first) != outline:
+        from, strings and globals mapped back by `names` and `scope` (ValueError: `first` is not the
+        program it was made from, node for node). `first`'s graph is not read (nor built)."""
+        lengths, args, vals, reads, code, outline = portable
+        if program_outline(first) != outline:
             raise ValueError("the program it was fitted from was lowered again with other node names")
-        nodes = {n.name: n for n in first.graph.nodes}
-
-        def leaf(x):
-            if isinstance(x, _Named):
-                return nodes[x.name]
-            return names.get(x, x) if type(x) is str else x
-
+        rename = lambda x: names.get(x, x) if type(x) is str else x  # noqa: E731
         if code is not None:
             code = code.renamed(names, scope)
-        return LengthFit(first, tuple(lengths), {nodes[k]: tuple(map(leaf, v)) for k, v in args.items()},
-                         {nodes[k]: _RUN if isinstance(v, str) and v == _RUN else v for k, v in vals.items()}, code)
+        return LengthFit(first, tuple(lengths), {k: tuple(map(rename, v)) for k, v in args.items()},
+                         {k: _RUN if isinstance(v, str) and v == _RUN else v for k, v in vals.items()},
+                         reads.mapped(rename, op_of), code)
 
 
-def _outline(gm: fx.GraphModule) -> str:
-    """A digest of `gm`'s nodes, names and ops in order: a fit written out binds to its nodes by name."""
+def program_outline(gm: fx.GraphModule) -> str:
+    """A digest of `gm`'s nodes, names and ops in order: a fit written out binds to its nodes by name.
+    A program loaded from the compile cache carries its own (`OUTLINE`, `logic_io.loads_program`),
+    read while its graph is not built (after that, the graph is the truth, edited or not)."""
+    stored = gm.meta.get(OUTLINE)
+    if stored is not None and not graph_built(gm):
+        return stored
     h = hashlib.sha256()
     for n in gm.graph.nodes:
         target = str(n.target) if isinstance(n.target, (str, OpOverload)) else \
             f"{getattr(n.target, '__module__', '')}.{getattr(n.target, '__qualname__', n.target)}"  # no address
         h.update(f"{n.name} {n.op} {target}\n".encode())
     return h.hexdigest()
+
+
+OUTLINE = "hotswitch outline"  # meta key of a module read without its graph: its `program_outline`
 
 
 def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: int) -> LengthFit:
@@ -578,7 +623,9 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
             val = _RUN
         if val is _RUN or _varies(val):
             vals[a] = val
-    return LengthFit(first, (length_a, length_b), args, vals, _CodeTemplate.of(first, args))
+    named = lambda x: _Named(x.name) if isinstance(x, fx.Node) else x  # noqa: E731
+    return LengthFit(first, (length_a, length_b), {n.name: tuple(map(named, v)) for n, v in args.items()},
+                     {n.name: v for n, v in vals.items()}, _Reads.of(first, vals), _CodeTemplate.of(first, args))
 
 
 def affine_in_length(graph: fx.Graph, length) -> bool:

@@ -25,24 +25,25 @@ import torch
 import torch.fx as fx
 
 from ._torch import (
-    OpOverload,
+    OpName,
     WrittenCode,
     add_node,
     codegen,
     map_args,
     module_with_code,
     module_with_lazy_graph,
+    op_of,
     renamed_strings,
     symbolic_fake_mode,
     symbols_of,
     written_code,
 )
-from .lengths import LengthFit
+from .lengths import OUTLINE, LengthFit, program_outline
 from .trace import LogicGraph
 
 __all__ = ["dumps_fit", "dumps_logic", "dumps_program", "graph_text", "loads_fit", "loads_logic", "loads_program"]
 
-_VERSION = 4
+_VERSION = 5
 
 _GRAPH_TEXT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -63,11 +64,6 @@ _SKIPPED_META = ("val", "tensor_meta", "from_node", "original_aten", "eager_inpu
 @dataclass(frozen=True)
 class _Ref:
     name: str  # an argument that is another node
-
-
-@dataclass(frozen=True)
-class _Op:
-    qualified: str  # "aten::add.Tensor"
 
 
 @dataclass(frozen=True)
@@ -100,12 +96,6 @@ class _Tensor:
 class _SymInt:
     expr: object
     ident: int  # equal for sizes that were one SymInt object
-
-
-def _op(target) -> OpOverload:
-    namespace, rest = target.qualified.split("::")
-    packet, _, overload = rest.partition(".")
-    return getattr(getattr(getattr(torch.ops, namespace), packet), overload or "default")
 
 
 class _Encoder:
@@ -185,7 +175,7 @@ def _encode_graph(gm: fx.GraphModule, encoder: _Encoder) -> tuple[list, dict, ob
         args, kwargs = map_args(
             lambda a: _MemoryFormat(str(a).removeprefix("torch.")) if isinstance(a, torch.memory_format) else a,
             (args, kwargs))
-        target = _Op(n.target.name()) if isinstance(n.target, OpOverload) else n.target
+        target = OpName.of(n.target)
         if n.op == "get_attr":
             attrs[n.target] = getattr(gm, n.target)
         meta = {k: v for k, v in n.meta.items() if k not in _SKIPPED_META}
@@ -253,7 +243,7 @@ def _build_nodes(graph: fx.Graph, nodes: list, fake_mode, symint, symints: dict,
 
     for name, op, target, args, kwargs, meta, val in nodes:
         args, kwargs = map_args(_decode_arg(by_name), (args, kwargs))
-        node = add_node(graph, op, _op(target) if isinstance(target, _Op) else target, args, kwargs, name=name)
+        node = add_node(graph, op, op_of(target), args, kwargs, name=name)
         node.meta.update(meta)
         if val is not None:
             # nodes alike in shape share one value (a description, never written to); inputs do not:
@@ -299,7 +289,7 @@ def dumps_program(gm: fx.GraphModule, groups: dict[str, int]) -> bytes | None:
     nodes, named = [], dict.fromkeys(groups, 0)  # group name -> collectives naming it
     encoded, attrs, graph_code, written = _encode_graph(gm, _Encoder())
     for name, op, target, args, kwargs, meta, val in encoded:
-        if isinstance(target, _Op) and target.qualified.startswith("_c10d_functional::") and args \
+        if isinstance(target, OpName) and target.qualified.startswith("_c10d_functional::") and args \
                 and isinstance(args[-1], str):
             if args[-1] not in groups:
                 return None
@@ -315,7 +305,8 @@ def dumps_program(gm: fx.GraphModule, groups: dict[str, int]) -> bytes | None:
             written = None
     # the nodes as bytes of their own: a program that runs its code unpickles them only if its graph is read
     nodes = pickle.dumps(nodes, protocol=pickle.HIGHEST_PROTOCOL)
-    return pickle.dumps((_VERSION, nodes, attrs, graph_code, written), protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.dumps((_VERSION, nodes, attrs, graph_code, written, program_outline(gm)),
+                        protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def dumps_fit(fit: LengthFit, groups: dict[str, int]) -> bytes | None:
@@ -348,9 +339,10 @@ def _group_token(axis: int) -> str:
 
 def loads_program(data: bytes, group_names: list[str]) -> fx.GraphModule:
     """`dumps_program` inverted in this process: axis i's collectives run on `group_names[i]`."""
-    version, encoded, attrs, graph_code, written = pickle.loads(data)
+    version, *entry = pickle.loads(data)
     if version != _VERSION:
         raise ValueError(f"an ExecGraph written by another version of hotswitch ({version}, not {_VERSION})")
+    encoded, attrs, graph_code, written, outline = entry
 
     def nodes() -> list:
         return [(name, op, target, tuple(group_names[a.axis] if isinstance(a, _Group) else a for a in args), kwargs,
@@ -362,6 +354,8 @@ def loads_program(data: bytes, group_names: list[str]) -> fx.GraphModule:
             def build(graph: fx.Graph) -> None:
                 codegen(graph, graph_code)
                 _build_nodes(graph, nodes(), *symbolic_fake_mode({}), {}, None)
-            return module_with_lazy_graph(attrs, graph_code, _decode_code(written), build)
+            gm = module_with_lazy_graph(attrs, graph_code, _decode_code(written), build)
+            gm.meta[OUTLINE] = outline  # what a length fit checks it against, its graph unbuilt
+            return gm
     fake_mode, symint = symbolic_fake_mode({})
     return _decode_graph(nodes(), attrs, graph_code, written, fake_mode, symint, {})

@@ -19,7 +19,6 @@ gradients), so each rank's own graph is exact, and so are the reductions.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import time
 from dataclasses import dataclass, replace
@@ -29,8 +28,7 @@ import torch
 import torch.fx as fx
 
 from . import _dtensor as dt
-from ._torch import graph_built, pytree
-from .attention import kernels_hold
+from ._torch import pytree
 from .cache import CompileCache
 from .garbage import collector_paused
 from .lengths import CannotFit, LengthFit, affine_in_length, fit
@@ -442,19 +440,17 @@ def store_fit(cache, key: str, fitted: LengthFit, where: StageMesh) -> None:
 def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes: tuple) -> StageProgram:
     """The program of `fitted` at sequence length `length` (raises CannotFit where it does not
     hold, or where its fused attention kernels are not SDPA's choice there): `like` (one of the two
-    fitted) with its graph written at that length. Not cached: writing one (0.04 s for an 8-layer
-    Llama) costs less than writing it to disk, and a later process fits the two cached programs."""
+    fitted) written at that length, its graph when first read (`LengthFit.at`). Not cached: writing
+    one (0.013 s for an 8-layer Llama) costs less than writing it to disk, and a later process loads
+    the fit with the first program."""
     t0 = time.perf_counter()
     gm = fitted.at(length)
-    # the values at this length, read off the fit where the program's graph is not written yet
-    graph, value = (gm.graph, lambda n: n.meta["val"]) if graph_built(gm) else \
-        (fitted.first.graph, functools.partial(fitted.value_at, length=length))
-    reason = kernels_hold(graph, value)
+    reason = fitted.kernels_hold(length)  # (values read off the fit: the graph is not written yet)
     if reason is not None:
         raise CannotFit(reason)
     gm.meta["hotswitch"] = {**like.joint.meta["hotswitch"], "local_shapes": tuple(local_shapes), "sharding": None}
     # a stage's boundary: the last placeholders are the activations and the gradients it receives
-    received = [value(n) for n in graph.nodes if n.op == "placeholder"]
+    received = fitted.placeholder_values(length)
     received = received[len(received) - len(like.recv_acts) - len(like.recv_grads):]
     received = [(tuple(v.shape), v.dtype) for v in received]
     forward, backward = gm, None

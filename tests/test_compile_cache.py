@@ -143,13 +143,15 @@ def test_a_cached_program_runs_its_code_with_this_processs_group_names(rounding)
     axis: loaded, the code (source and compiled) names this process's group, and equals the code fx
     writes for the loaded graph. A string equal to the group's name elsewhere in the code ("floor",
     here) leaves the code out of the entry: fx writes it again on loading, the same."""
+    from hotswitch.compiler.lengths import program_outline
     from hotswitch.compiler.logic_io import dumps_program, loads_program
 
     gm = _program_with_collectives("floor", rounding)
     entry = dumps_program(gm, {"floor": 0})
-    *_, written = pickle.loads(entry)  # the entry: its version, nodes, attributes, codegen and code
+    *_, written, outline = pickle.loads(entry)  # its version, nodes, attributes, codegen, code and outline
     assert (written is None) == (rounding == "floor")
     loaded = loads_program(entry, ["tp-of-this-process"])
+    assert program_outline(loaded) == outline == program_outline(gm)  # read off the entry, then off the graph
     assert loaded.code == loaded.graph.python_code("self").src
     assert "'tp-of-this-process'" in loaded.code and f"rounding_mode = '{rounding}'" in loaded.code
     constants = set(type(loaded).forward.__code__.co_consts)
@@ -170,10 +172,11 @@ def test_compiled_code_from_another_python_is_compiled_again():
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
     graph.output((graph.call_function(torch.ops.aten.mul.Tensor, (x, x)),))
-    version, nodes, attrs, codegen, written = pickle.loads(dumps_program(torch.fx.GraphModule({}, graph), {}))
+    version, nodes, attrs, codegen, written, outline = pickle.loads(
+        dumps_program(torch.fx.GraphModule({}, graph), {}))
     assert written is not None and written.bytecode is not None
-    other = pickle.dumps((version, nodes, attrs, codegen, replace(written, python="cpython-999")))
-    for entry in (other, pickle.dumps((version, nodes, attrs, codegen, written))):
+    other = pickle.dumps((version, nodes, attrs, codegen, replace(written, python="cpython-999"), outline))
+    for entry in (other, pickle.dumps((version, nodes, attrs, codegen, written, outline))):
         loaded = loads_program(entry, [])
         assert loaded.code == loaded.graph.python_code("self").src
         torch.testing.assert_close(loaded(torch.arange(3.0))[0], torch.tensor([0.0, 1.0, 4.0]))

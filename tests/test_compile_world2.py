@@ -250,19 +250,26 @@ def check_a_warm_cache_fits_later_lengths():
 
 
 def _at_four_lengths(model, config) -> dict:
-    """A training step at each of four lengths of a newly compiled `model`: what each program was."""
+    """A training step at each of four lengths of a newly compiled `model`: what each program was,
+    and which programs' graphs the four steps built (before anything here reads one)."""
+    from hotswitch.compiler._torch import graph_built
+
     cm = hs.compile(model, batch(), [config])
-    lengths = {}
+    lengths, programs = {}, {}
     for seq in (12, 16, 20, 24):
         inputs = batch(seq=seq)
         gm = cm.exec_graph(config.name, tuple(tuple(x.shape) for x in inputs))
         (program,) = [p for p in cm._state(config.name).programs.values() if p.joint is gm]
         loss = cm.forward_backward(*cm.shard_inputs(*inputs))
+        programs[seq] = gm
         lengths[seq] = dict(loaded=program.loaded, fitted=program.fitted, loss=float(loss), code=gm.code,
                             fits=[f.fit is not None for f in cm._state(config.name).lengths.values()],
                             fit_loaded=[f.fit_loaded for f in cm._state(config.name).lengths.values()],
-                            attention=sorted(str(n.target) for n in gm.graph.nodes if "attention" in str(n.target)),
                             runs_as_lowered=cm.graph_runner(gm) is gm)
+    for seq, gm in programs.items():
+        lengths[seq]["graph_built"] = graph_built(gm)
+    for seq, gm in programs.items():
+        lengths[seq]["attention"] = sorted(str(n.target) for n in gm.graph.nodes if "attention" in str(n.target))
     return lengths
 
 
@@ -534,6 +541,10 @@ def test_a_warm_cache_fits_later_lengths(results):
         for run in (cold, warm):  # written from the fit of the two programs, in each process
             assert [run[s]["loaded"] for s in (20, 24)] == [False, False] and run[24]["fits"] == [True], run
         assert cold[24]["fit_loaded"] == [False] and warm[24]["fit_loaded"] == [True]  # fitted once, then loaded
+        # a step runs a program's code: a fitted one's graph is never written, and in the warm process
+        # neither is a loaded one's, not even the first's, which the fit is bound to
+        assert [cold[s]["graph_built"] for s in (12, 16, 20, 24)] == [True, True, False, False], cold
+        assert [warm[s]["graph_built"] for s in (12, 16, 20, 24)] == [False] * 4, warm
         assert all(warm[s]["loss"] == cold[s]["loss"] and warm[s]["code"] == cold[s]["code"] for s in (12, 16, 20, 24))
         assert cold["warned"] == warm["warned"] == []
         # a fit that does not load: said once, fitted again from the loaded programs, the same code

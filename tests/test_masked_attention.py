@@ -219,19 +219,26 @@ def test_a_fused_kernel_says_what_it_was_chosen_from_and_a_fit_keeps_it_only_whe
         causal_mask = masked_call(torch.empty(2, 4, t, 8), k, v, is_causal=True, enable_gqa=True)[3]
         return fused_kernels(_joint_program(q, k, v, causal_mask, 8 ** -0.5, True), torch.device("cpu"))
 
+    def hold(graph):  # kernels_hold over a graph's own sites and values
+        by_name = {n.name: n for n in graph.nodes}
+        return kernels_hold([n.meta["sdpa"] for n in graph.nodes if "sdpa" in n.meta],
+                            lambda name: by_name[name].meta["val"] if name in by_name else None)
+
     a, b = fused_at(12), fused_at(16)
     sites = [n.meta["sdpa"] for n in a.graph.nodes if "sdpa" in n.meta]
     assert sites == [FusedSite("q_1", "k_1", "mask_1", 8 ** -0.5, True, True, "cpu", "flash", True, False)]
-    assert kernels_hold(a.graph) is None
-    at_20 = fit(a, 12, b, 16).at(20)
-    assert kernels_hold(at_20.graph) is None
+    assert hold(a.graph) is None
+    fitted = fit(a, 12, b, 16)
+    at_20 = fitted.at(20)
+    assert fitted.kernels_hold(20) is None and hold(at_20.graph) is None
     q, k, v, _ = _inputs(b=2, heads=4, kv_heads=2, t=20)
     mask = masked_call(torch.empty(2, 4, 20, 8), k, v, is_causal=True, enable_gqa=True)[3]
     grad = torch.randn_like(q)
     for got, want in zip(at_20(q, k, v, mask, grad), fused_at(20)(q, k, v, mask, grad)):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
     with sdpa_kernel(SDPBackend.MATH):
-        assert "takes SDPA's math kernel (causal) here, not the flash kernel (causal) of" in kernels_hold(at_20.graph)
+        for reason in (fitted.kernels_hold(20), hold(at_20.graph)):
+            assert "takes SDPA's math kernel (causal) here, not the flash kernel (causal) of" in reason
     node = next(n for n in at_20.graph.nodes if "sdpa" in n.meta)
     node.meta["sdpa"] = replace(node.meta["sdpa"], whole=False)  # as if chosen for a shard of the queries
-    assert "flash kernel (causal) here, not the flash kernel (masked) of" in kernels_hold(at_20.graph)
+    assert "flash kernel (causal) here, not the flash kernel (masked) of" in hold(at_20.graph)
