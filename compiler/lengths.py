@@ -29,9 +29,15 @@ The caller also checks that every size in the LogicGraph is affine in the length
 The program's Python code is written the same way: the first program's code with the integers of
 the lines that change replaced (`_CodeTemplate`), not generated again by fx (most of writing one).
 
-A fit is filed in the compile cache under its first program's key (`LengthFit.portable`, nodes by
-name): a later process that loads that program loads the fit too, and neither lowers a second
-length nor fits again.
+A written program is its code until something reads its graph: `LengthFit.at` checks the length
+from sizes alone (`check`), writes the code, and leaves the nodes to be written when the graph is
+first read (`module_with_lazy_graph`), which an eager step never does. A fit names the first
+program's nodes and keeps what writing a length reads of that program's graph (`_Reads`), so it
+binds to a program loaded from the compile cache without building that program's graph either.
+
+A fit is filed in the compile cache under its first program's key (`LengthFit.portable`): a later
+process that loads that program loads the fit too, and neither lowers a second length nor fits
+again.
 """
 from __future__ import annotations
 
@@ -252,20 +258,12 @@ def _varies(fitted) -> bool:
     return isinstance(fitted, (tuple, list)) and any(map(_varies, fitted))
 
 
-def _val_at(fitted, length: int):
+def _val_at(fitted, length: int, sizes_only: bool = False):
+    """A fitted value at `length` (`sizes_only`: a tensor's sizes, as a list; no meta tensor made)."""
     if isinstance(fitted, _TensorFit):
-        return fitted.at(length)
+        return fitted.sizes_at(length) if sizes_only else fitted.at(length)
     if isinstance(fitted, (tuple, list)):
-        return type(fitted)(_val_at(x, length) for x in fitted)
-    return _at(fitted, length)
-
-
-def _sizes_at(fitted, length: int):
-    """What `_val_at` checks and gives, sizes only (a tensor's as a list): no meta tensor made."""
-    if isinstance(fitted, _TensorFit):
-        return fitted.sizes_at(length)
-    if isinstance(fitted, (tuple, list)):
-        return type(fitted)(_sizes_at(x, length) for x in fitted)
+        return type(fitted)(_val_at(x, length, sizes_only) for x in fitted)
     return _at(fitted, length)
 
 
@@ -413,8 +411,8 @@ class _Reads:
                 for n, v in vals.items() if v is _RUN}
         sites = tuple(n.meta["sdpa"] for n in first.graph.nodes if n.meta.get("sdpa") is not None)
         placeholders = tuple(n.name for n in first.graph.nodes if n.op == "placeholder")
-        read = {*reshapes.values(), *placeholders, *(x for s in sites for x in (s.q, s.k, s.mask))}
-        read.update(n.name for n in vals if vals[n] is _RUN for n in n.all_input_nodes)
+        run_inputs = (i.name for n, v in vals.items() if v is _RUN for i in n.all_input_nodes)
+        read = {*reshapes.values(), *placeholders, *run_inputs, *(x for s in sites for x in (s.q, s.k, s.mask))}
         changing = {n.name for n in vals}
         attrs = tuple(n.target for n in first.graph.nodes if n.op == "get_attr")
         return _Reads(attrs if all(a.isidentifier() for a in attrs) else None, codegen(first.graph),
@@ -470,7 +468,7 @@ class LengthFit:
         sizes, ran = {}, {}
         for name, fitted in self.vals.items():  # in the program's order: a view's input comes first
             try:
-                sizes[name] = _sizes_at(fitted, length) if fitted is not _RUN else \
+                sizes[name] = _val_at(fitted, length, sizes_only=True) if fitted is not _RUN else \
                     pytree.tree_map_only(torch.Tensor, lambda t: list(t.shape), self.value_at(name, length, ran))
             except CannotFit as e:
                 raise CannotFit(f"{name}: {e}") from None
