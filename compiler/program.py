@@ -97,6 +97,7 @@ class StageProgram:
     propagate_seconds: float = 0.0  # of which deciding placements (DTensor's strategy search, or a replay)
     decisions: ShardingDecisions | None = None  # the placements decided, apart from shapes
     replayed: int = 0  # ops whose placements were replayed from earlier decisions
+    searched: tuple[str, ...] = ()  # ops whose placements DTensor's strategy search decided here, by name
     loaded: bool = False  # the ExecGraph was not traced here: the compile cache or another dp rank had it
     # ops that combine rows of different dp ranks other than by a sum (`lower.mixes_rows`): exact only
     # when every dp rank holds the same number of rows
@@ -370,9 +371,10 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                     cache.put(stored, entry, "program")
             elif shared is not None:
                 cache.failed(shared)
+    # (not the GraphSharding: a third of the objects a lowered program would keep alive, for the
+    # garbage collector's full collections to walk; `decisions` holds its placements, plainly)
     gm.meta["hotswitch"] = {"config": where.name, "stage": stage.index if stage is not None else 0,
-                            "local_shapes": tuple(local_shapes), "sharding": sharding,
-                            "kernels": kernels}
+                            "local_shapes": tuple(local_shapes), "kernels": kernels}
     recv_acts = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i:n_p + n_b + n_i + n_acts_in]]
     recv_grads = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i + n_acts_in:]]
     forward, backward = gm, None
@@ -383,7 +385,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         n_losses=n_losses, n_params=n_p, send_grads=tuple(dtype.is_floating_point for _, dtype in recv_acts),
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=deferred_specs,
         param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
-        decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded,
+        decisions=decisions, replayed=sharding.replayed if sharding is not None else 0,
+        searched=sharding.searched if sharding is not None else (), loaded=loaded,
         mixes_rows=mixed, replayed_all=replayed_all, cache_key=stored)
 
 
@@ -448,7 +451,7 @@ def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes:
     reason = fitted.kernels_hold(length)  # (values read off the fit: the graph is not written yet)
     if reason is not None:
         raise CannotFit(reason)
-    gm.meta["hotswitch"] = {**like.joint.meta["hotswitch"], "local_shapes": tuple(local_shapes), "sharding": None}
+    gm.meta["hotswitch"] = {**like.joint.meta["hotswitch"], "local_shapes": tuple(local_shapes)}
     # a stage's boundary: the last placeholders are the activations and the gradients it receives
     received = fitted.placeholder_values(length)
     received = received[len(received) - len(like.recv_acts) - len(like.recv_grads):]
@@ -459,5 +462,6 @@ def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes:
                                                       tuple(range(like.n_acts_out + like.n_losses)))
     return replace(like, joint=gm, forward=forward, backward=backward, recv_acts=received[:len(like.recv_acts)],
                    recv_grads=received[len(like.recv_acts):], seconds=time.perf_counter() - t0,
-                   propagate_seconds=0.0, replayed=0, loaded=False, replayed_all=False, fitted=fitted.lengths,
+                   propagate_seconds=0.0, replayed=0, searched=(), loaded=False, replayed_all=False,
+                   fitted=fitted.lengths,
                    cache_key=None)

@@ -129,16 +129,12 @@ def replay_equals_fresh(kind: str, config, seqs=(SEQ, 20), **overrides) -> dict:
     out = {}
     for label, cm in (("replayed", replayed), ("fresh", fresh)):
         gm = cm.exec_graph(config.name, shapes)
-        sharding = gm.meta["hotswitch"]["sharding"]
-        placements = {n.name: str((tuple(tuple(w.placements) for w in d.want_specs),
-                                   d.spec.placements if hasattr(d.spec, "placements") else None))
-                      for n, d in sharding.decisions.items() if d.kind == "op"}
+        (program,) = [p for p in cm._state(config.name).programs.values() if p.joint is gm]
         coll = [(str(n.target), tuple(a for a in n.args[1:] if not isinstance(a, str))) for n in collectives(gm)]
         cm.zero_grad()
         loss = cm.forward_backward(*cm.shard_inputs(*later))
-        anew = Counter(str(n.target) for n, d in sharding.decisions.items() if d.kind == "op" and not d.replayable)
-        out[label] = dict(placements=placements, collectives=coll, loss=float(loss), replayed=sharding.replayed,
-                          searched=sharding.searched, anew=anew,
+        out[label] = dict(placements=program.decisions.ops, collectives=coll, loss=float(loss),
+                          replayed=program.replayed, searched=program.searched,
                           grads={k: v.clone() for k, v in cm.full_grads().items()})
     return out
 
