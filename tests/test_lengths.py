@@ -95,6 +95,32 @@ def test_a_fitted_program_runs_before_its_graph_is_written():
     assert [layout(v) for v in fitted.placeholder_values(20)] == [layout(x)]
 
 
+def test_a_fit_written_out_and_read_back_writes_the_same_programs_without_its_first_graph():
+    """A fit as the compile cache files it (`dumps_fit`: nodes by name, ops by name) and reads it
+    back for a program loaded from the cache (`loads_program`: its code only): it binds without
+    building that program's graph (the outline the entry carries checks it is that program), and
+    writes the same programs, the slice whose value is computed by running its op included."""
+    from hotswitch.compiler.logic_io import dumps_fit, dumps_program, loads_fit, loads_program
+
+    a, b, c = _programs(_attention_like, (8, 12, 20))
+    fitted = fit(a, 8, b, 12)
+    assert fitted.reads.runs  # a value computed by running its op (the slice of the scores)
+    loaded = loads_program(dumps_program(a, {}), [])
+    again = loads_fit(dumps_fit(fitted, {}), loaded, [])
+    at20 = again.at(20)
+    assert not graph_built(loaded) and not graph_built(at20)
+    assert at20.code == fitted.at(20).code
+    x = torch.randn(4, 20, H)
+    for got, want in zip(at20(x), c(x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not graph_built(loaded)
+    assert same_program(at20, c) is None  # its graph, written now (binding the loaded program's)
+    other = loads_program(dumps_program(make_fx(lambda x: x.relu())(torch.randn(4, 8, H)), {}), [])
+    with pytest.raises(ValueError, match="other node names"):  # another program: its outline tells
+        loads_fit(dumps_fit(fitted, {}), other, [])
+    assert not graph_built(other)
+
+
 def test_a_size_of_minus_one_is_read_as_the_size_it_stands_for():
     def inferred(x):
         return x.view(x.shape[0], -1, 2, H // 2).sum(2)
