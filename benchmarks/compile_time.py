@@ -15,7 +15,9 @@ processes, first with an empty compile cache (cold) and then with the cache the 
 model alone. `--dynamic` adds a third run per depth, cold, compiled with `dynamic=True`: each
 config is lowered at 64 and (its decisions replayed) at 32 and fitted while compiling, so every
 further length is written from the fit; its "first" column is that whole compile of the config.
-Times are the slowest rank's.
+Times are the slowest rank's. Of each new length's time it also prints what that rank's garbage
+collector took (`gc.callbacks`): the full collections the objects of earlier lowerings set off
+land in whichever length comes next.
 """
 from __future__ import annotations
 
@@ -41,8 +43,24 @@ def _model(layers: int):
     return PackedCausalLMLoss(LlamaForCausalLM(config))
 
 
+class _Collections:
+    """Seconds the garbage collector spends collecting (a `gc.callbacks` entry), in all."""
+
+    def __init__(self):
+        self.seconds, self._started = 0.0, None
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+
+
 def measure(rank: int, layers: int, config_names: tuple[str, ...], lengths: int,
             dynamic: bool | None = None) -> dict | None:
+    import gc
+
     import torch
     import torch.distributed as dist
 
@@ -65,17 +83,22 @@ def measure(rank: int, layers: int, config_names: tuple[str, ...], lengths: int,
     total = time.perf_counter() - t
     first = {c: cm.compile_seconds(c) for c in config_names}
     later: dict[str, list[float]] = {c: [] for c in config_names}
+    collecting: dict[str, list[float]] = {c: [] for c in config_names}  # of `later`: the garbage collector's
+    collections = _Collections()
+    gc.callbacks.append(collections)
     for c in config_names:
         for k in range(1, lengths):
             # every rank starts each length together: a rank timed while another still lowers the
             # previous length (for both, as dp ranks share programs) would count that one's work
             dist.barrier()
-            t = time.perf_counter()
+            t, collected = time.perf_counter(), collections.seconds
             # what a first forward_backward at this length pays before it runs: the program, and
             # what the runner makes of it (nothing more, now that its attention kernels are in it)
             cm.graph_runner(cm.exec_graph(c, ((4, 64 * (k + 1)),) * 3))
             later[c].append(time.perf_counter() - t)
-    mine = {"trace": cm.trace_seconds, "total": total, "first": first, "later": later}
+            collecting[c].append(collections.seconds - collected)
+    gc.callbacks.remove(collections)
+    mine = {"trace": cm.trace_seconds, "total": total, "first": first, "later": later, "collecting": collecting}
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     if rank != 0:
@@ -85,7 +108,16 @@ def measure(rank: int, layers: int, config_names: tuple[str, ...], lengths: int,
             "compile_s": slowest(lambda r: r["total"]),
             "first_lowering_s": {c: slowest(lambda r, c=c: r["first"][c]) for c in config_names},
             "new_length_s": {c: [slowest(lambda r, c=c, k=k: r["later"][c][k]) for k in range(lengths - 1)]
-                             for c in config_names}}
+                             for c in config_names},
+            # of each length's time on its slowest rank, what that rank's garbage collector took
+            "new_length_gc_s": {c: [max(everyone, key=lambda r, c=c, k=k: r["later"][c][k])["collecting"][c][k]
+                                    for k in range(lengths - 1)] for c in config_names}}
+
+
+def _collected(row: dict, configs: list[str]) -> str:
+    """How much of a run's new lengths the slowest rank's garbage collector took, per config."""
+    return "of the new lengths' seconds, the garbage collector's " + ", ".join(
+        f"{c} {sum(row['new_length_gc_s'][c]):.2f} of {sum(row['new_length_s'][c]):.2f}" for c in configs)
 
 
 def _mean(xs: list[float]) -> float:
@@ -147,12 +179,14 @@ def main(argv=None) -> int:
                   + "; later lengths / first lowering "
                   + ", ".join(f"{c} {_mean(r['new_length_s'][c][1:]) / r['first_lowering_s'][c]:.2f}"
                               for c in configs))
+        print(f"{layers} layers: {_collected(r, configs)}")
         if layers in dynamic:  # the same lengths, every one after the first written from a fit made in compile
             d = dynamic[layers]
             print(f"{layers} layers, dynamic=True: compile of each config / first lowering "
                   + ", ".join(f"{c} {d['first_lowering_s'][c] / r['first_lowering_s'][c]:.2f}" for c in configs)
                   + "; new length / first lowering "
                   + ", ".join(f"{c} {_mean(d['new_length_s'][c]) / r['first_lowering_s'][c]:.2f}" for c in configs))
+            print(f"{layers} layers, dynamic=True: {_collected(d, configs)}")
     depths = sorted(cold)
     if len(depths) > 1:
         a, b = cold[depths[0]], cold[depths[-1]]
