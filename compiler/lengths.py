@@ -529,8 +529,7 @@ class LengthFit:
             else:
                 new = copy_node(graph, node, lambda x: env[x.name])  # its meta copied
             if node.name in self.vals:
-                new.meta["val"] = self.value_at(node.name, length, memo) if self.vals[node.name] is _RUN else \
-                    _val_at(self.vals[node.name], length)
+                new.meta["val"] = self.value_at(node.name, length, memo)
             env[node.name] = new
 
     def portable(self, names: dict[str, str], scope) -> tuple | None:

@@ -97,7 +97,6 @@ class StageProgram:
     propagate_seconds: float = 0.0  # of which deciding placements (DTensor's strategy search, or a replay)
     decisions: ShardingDecisions | None = None  # the placements decided, apart from shapes
     replayed: int = 0  # ops whose placements were replayed from earlier decisions
-    searched: tuple[str, ...] = ()  # ops whose placements DTensor's strategy search decided here, by name
     loaded: bool = False  # the ExecGraph was not traced here: the compile cache or another dp rank had it
     # ops that combine rows of different dp ranks other than by a sum (`lower.mixes_rows`): exact only
     # when every dp rank holds the same number of rows
@@ -385,8 +384,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         n_losses=n_losses, n_params=n_p, send_grads=tuple(dtype.is_floating_point for _, dtype in recv_acts),
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=deferred_specs,
         param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
-        decisions=decisions, replayed=sharding.replayed if sharding is not None else 0,
-        searched=sharding.searched if sharding is not None else (), loaded=loaded,
+        decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded,
         mixes_rows=mixed, replayed_all=replayed_all, cache_key=stored)
 
 
@@ -462,6 +460,5 @@ def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes:
                                                       tuple(range(like.n_acts_out + like.n_losses)))
     return replace(like, joint=gm, forward=forward, backward=backward, recv_acts=received[:len(like.recv_acts)],
                    recv_grads=received[len(like.recv_acts):], seconds=time.perf_counter() - t0,
-                   propagate_seconds=0.0, replayed=0, searched=(), loaded=False, replayed_all=False,
-                   fitted=fitted.lengths,
+                   propagate_seconds=0.0, replayed=0, loaded=False, replayed_all=False, fitted=fitted.lengths,
                    cache_key=None)

@@ -115,27 +115,47 @@ def forward_collectives_per_block(gm) -> dict[str, dict[str, int]]:
 
 def replay_equals_fresh(kind: str, config, seqs=(SEQ, 20), **overrides) -> dict:
     """Lower `config` at seqs[0] then at seqs[1] (the second replays the first's decisions) and, in
-    another compiled model, at seqs[1] directly (DTensor's search): the same placements, the same
-    collectives and the same numbers."""
+    another compiled model, at seqs[1] directly (DTensor's search): the same placements (every op's,
+    read off the sharding each lowering propagated), the same collectives and the same numbers."""
+    from hotswitch.compiler import program
+
     model = make_model(kind, **overrides)
     first, later = batch(seq=seqs[0]), batch(seq=seqs[1])
+    shapes = tuple(tuple(x.shape) for x in later)
+    propagated, real = [], program.propagate_graph  # the GraphSharding of each lowering (a program keeps none)
+
+    def propagate(*args, **kwargs):
+        propagated.append(real(*args, **kwargs))
+        return propagated[-1]
+
+    def lowering_once(lower):
+        """`lower()` and the sharding of the one lowering it ran (not a program loaded instead)."""
+        before = len(propagated)
+        made = lower()
+        assert len(propagated) == before + 1, f"{len(propagated) - before} lowerings, not 1"
+        return made, propagated[-1]
+
     os.environ["HOTSWITCH_CACHE"] = "0"  # the fresh lowering must search, not find the first one's decisions
     try:
-        replayed = hs.compile(model, first, configs=[config])
-        fresh = hs.compile(model, later, configs=[config], logic=replayed.logic)  # same graph, its own decisions
+        with mock.patch.object(program, "propagate_graph", propagate):
+            replayed = hs.compile(model, first, configs=[config])
+            # the same graph, its own decisions; then seqs[1] replaying seqs[0]'s
+            fresh, fresh_sharding = lowering_once(
+                lambda: hs.compile(model, later, configs=[config], logic=replayed.logic))
+            _, replayed_sharding = lowering_once(lambda: replayed.exec_graph(config.name, shapes))
     finally:
         del os.environ["HOTSWITCH_CACHE"]
-    shapes = tuple(tuple(x.shape) for x in later)
     out = {}
-    for label, cm in (("replayed", replayed), ("fresh", fresh)):
+    for label, cm, sharding in (("replayed", replayed, replayed_sharding), ("fresh", fresh, fresh_sharding)):
         gm = cm.exec_graph(config.name, shapes)
-        (program,) = [p for p in cm._state(config.name).programs.values() if p.joint is gm]
+        placements = {n.name: str((tuple(tuple(w.placements) for w in d.want_specs),
+                                   d.spec.placements if hasattr(d.spec, "placements") else None))
+                      for n, d in sharding.decisions.items() if d.kind == "op"}
         coll = [(str(n.target), tuple(a for a in n.args[1:] if not isinstance(a, str))) for n in collectives(gm)]
         cm.zero_grad()
         loss = cm.forward_backward(*cm.shard_inputs(*later))
-        out[label] = dict(placements=program.decisions.ops, collectives=coll, loss=float(loss),
-                          replayed=program.replayed, searched=program.searched,
-                          grads={k: v.clone() for k, v in cm.full_grads().items()})
+        out[label] = dict(placements=placements, collectives=coll, loss=float(loss), replayed=sharding.replayed,
+                          searched=sharding.searched, grads={k: v.clone() for k, v in cm.full_grads().items()})
     return out
 
 
