@@ -6,18 +6,18 @@
 The model is a Hugging Face Llama (hidden 256, 8 heads, intermediate 512, random weights) with
 `--layers` layers, trained on packed rows (`PackedCausalLMLoss`: input ids, positions, labels) of
 micro-batch 4 x 64 tokens. For each depth, `--world-size` gloo processes run `hs.compile` (one
-trace, then every config lowered at length 64) and then lower each config at `n - 1` further
-lengths (128, 192, ...) for each n of `--lengths`: the first lowering of a config searches
-DTensor's strategies, the second length replays its decisions, and later lengths are written from
-the fit of those two programs (`hotswitch.compiler.lengths`). Each depth runs twice in fresh
-processes, first with an empty compile cache (cold) and then with the cache the first run left
-(warm: decisions replayed from disk). For scale, rank 0 also times `torch.export` of the same
-model alone. `--dynamic` adds a third run per depth, cold, compiled with `dynamic=True`: each
+trace, then every config lowered at length 64) and then lower each config at `n - 1` further lengths
+(128, 192, ...) for each n of `--lengths`: the first lowering of a config searches DTensor's
+strategies, the second length replays its decisions as a sample and fits the two programs, and the
+second and later lengths are written from that fit (`hotswitch.compiler.lengths`). Each depth runs
+twice in fresh processes, first with an empty compile cache (cold) and then with the cache the first
+run left (warm: decisions replayed from disk). For scale, rank 0 also times `torch.export` of the
+same model alone. `--dynamic` adds a third run per depth, cold, compiled with `dynamic=True`: each
 config is lowered at 64 and (its decisions replayed) at 32 and fitted while compiling, so every
 further length is written from the fit; its "first" column is that whole compile of the config.
 Times are the slowest rank's. Of each new length's time it also prints what that rank's garbage
-collector took (`gc.callbacks`): the full collections the objects of earlier lowerings set off
-land in whichever length comes next.
+collector took (`gc.callbacks`): the full collections the objects of earlier lowerings set off land
+in whichever length comes next.
 """
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         print(f"{layers} layers: trace / torch.export {r['trace_s'] / r['export_s']:.2f}; warm / cold lowering "
               f"{sum(warm[layers]['first_lowering_s'].values()) / lowering:.2f}; new length / first lowering "
               + ", ".join(f"{c} {_mean(r['new_length_s'][c]) / r['first_lowering_s'][c]:.2f}" for c in configs))
-        if lengths > 2:  # the second length replays the first's decisions; later ones are fitted from the two
+        if lengths > 2:  # the second length samples a replay and fits it; later ones are written from that fit
             print(f"{layers} layers: second length / first lowering "
                   + ", ".join(f"{c} {r['new_length_s'][c][0] / r['first_lowering_s'][c]:.2f}" for c in configs)
                   + "; later lengths / first lowering "

@@ -6,8 +6,10 @@ builds every node: most of a lowering. But two programs of one config, at the sa
 lengths, are usually one graph whose integer arguments (view and split sizes, ranges, fills) are
 affine functions of the length. `fit` finds those functions; `LengthFit.at(length)` writes the
 program at another length as a copy of the first with the integers evaluated there. This is
-torch.compile's automatic dynamic shapes in spirit: the first length is specialized, the second is
-replayed, and from the third on the length is treated as a variable.
+torch.compile's automatic dynamic shapes in spirit: the first length is specialized; the second is
+replayed as a sample (its graph only: no code written, nothing filed) to fit with the first, and
+from there on the length is a variable: the second length's program, and every later one's, is
+written from the fit.
 
 The two programs may come from different paths (searched on one rank, replayed on another, loaded
 from another dp rank): their nodes are paired by position, names aside, and a size's -1 or a slice's
@@ -37,7 +39,8 @@ binds to a program loaded from the compile cache without building that program's
 
 A fit is filed in the compile cache under its first program's key (`LengthFit.portable`): a later
 process that loads that program loads the fit too, and neither lowers a second length nor fits
-again.
+again. Ranks that differ only in their dp coordinate and share one first program share its fit too:
+one samples and fits, the others load the fit (`SharedCache`'s "shared length fit").
 """
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from . import _dtensor as dt
-from ._torch import pytree
+from ._torch import pytree, with_code
 from .cache import CompileCache
 from .garbage import collector_paused
 from .lengths import CannotFit, LengthFit, affine_in_length, fit
@@ -47,7 +47,8 @@ from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
 from .trace import LogicGraph
 
-__all__ = ["StageMesh", "StageProgram", "constants_digest", "fit_programs", "lower_program", "program_at"]
+__all__ = ["StageMesh", "StageProgram", "completed", "constants_digest", "fit_programs", "lower_program",
+           "program_at"]
 
 
 @dataclass(frozen=True)
@@ -388,6 +389,20 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         mixes_rows=mixed, replayed_all=replayed_all, cache_key=stored)
 
 
+def completed(sample: StageProgram) -> StageProgram:
+    """A program lowered as a `sample` (graph only) made the program of its shapes, where no length
+    fit writes it: its code written and, for a stage that receives gradients, cut into its passes.
+    Not filed in the compile cache (a sample never is)."""
+    t0 = time.perf_counter()
+    gm = sample.joint if sample.loaded else with_code(sample.joint)  # (one loaded from the cache has its code)
+    forward, backward = gm, None
+    if sample.train and sample.recv_grads:  # not the last stage: what lower_program cuts
+        forward, backward, _ = split_forward_backward(gm, len(sample.recv_grads),
+                                                      tuple(range(sample.n_acts_out + sample.n_losses)))
+    return replace(sample, joint=gm, forward=forward, backward=backward,
+                   seconds=sample.seconds + time.perf_counter() - t0)
+
+
 def fit_programs(logic: LogicGraph, first: StageProgram, length_a: int, second: StageProgram,
                  length_b: int) -> LengthFit:
     """The programs of one config (or pipeline stage) at the same rows and two sequence lengths as
@@ -409,19 +424,20 @@ def _group_names(mesh) -> list[str]:
     return [mesh.get_group(i).group_name for i in range(mesh.ndim)]
 
 
-def fit_key(cache, first: StageProgram, length_a: int, length_b: int) -> str | None:
+def fit_key(cache, first: StageProgram, length_a: int, length_b: int, kind: str = "length fit") -> str | None:
     """Where the compile cache files the fit of `first` (at `length_a`) with its replay at `length_b`:
     a function of the two, as the program's own key is of what lowered it. None where `first` is not
-    in the cache or nothing would keep the fit."""
-    if cache is None or first.cache_key is None or not cache.keeps("length fit"):
+    in the cache or nothing would keep the fit. `kind`: "length fit", or "shared length fit" for one
+    that every dp rank of a program shared between them (`ShardingDecisions.dp_shared`) makes alike."""
+    if cache is None or first.cache_key is None or not cache.keeps(kind):
         return None
     return cache.key("length fit", first.cache_key, length_a, length_b)
 
 
-def load_fit(cache, key: str, first: StageProgram, where: StageMesh) -> LengthFit | None:
+def load_fit(cache, key: str, first: StageProgram, where: StageMesh, kind: str = "length fit") -> LengthFit | None:
     """The fit filed under `key` for `first`, or None (not there; one that does not load is reported
     once and made again)."""
-    entry = cache.get(key, "length fit")
+    entry = cache.get(key, kind)
     if entry is None:
         return None
     try:
@@ -431,11 +447,13 @@ def load_fit(cache, key: str, first: StageProgram, where: StageMesh) -> LengthFi
         return None
 
 
-def store_fit(cache, key: str, fitted: LengthFit, where: StageMesh) -> None:
-    """File `fitted` under `key` (`fit_key`), where it can be written."""
+def store_fit(cache, key: str, fitted: LengthFit, where: StageMesh, kind: str = "length fit") -> bool:
+    """File `fitted` under `key` (`fit_key`), where it can be written. False: it cannot be written
+    out (a global of its code that does not pickle, say)."""
     data = dumps_fit(fitted, {name: axis for axis, name in enumerate(_group_names(where.mesh))})
     if data is not None:
-        cache.put(key, data, "length fit")
+        cache.put(key, data, kind)
+    return data is not None
 
 
 def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes: tuple) -> StageProgram:

@@ -206,13 +206,15 @@ def check_a_warm_cache_replays_decisions():
 
 
 def check_a_warm_cache_fits_later_lengths():
-    """A second compiled model loads the programs of the first two lengths from disk, and their fit
-    (filed under the first program's key), and writes the third and fourth from it (fitted programs
-    are not written to disk: writing one again costs less): the same code and numbers as the first
-    model's. Every program, lowered, loaded or fitted, holds torch's fused attention kernels already:
-    the runner runs it as it is, with no rewrite at its first step. A third model finds program
-    entries that do not load (written by another torch build, say): it warns, lowers and fits again,
-    with the same numbers; a fourth finds a fit that does not load: it warns and fits again.
+    """The first model lowers its first length, samples the second (a graph only) and writes it,
+    the third and the fourth from the fit of the two. A second compiled model loads the first
+    length's program from disk and the fit (filed under that program's key), and writes the other
+    three from it (fitted programs are not written to disk: writing one again costs less): the same
+    code and numbers as the first model's. Every program, lowered, loaded or fitted, holds torch's
+    fused attention kernels already: the runner runs it as it is, with no rewrite at its first step.
+    A third model finds program entries that do not load (written by another torch build, say): it
+    warns, lowers the first length again and binds the fit to it, with the same numbers; a fourth
+    finds a fit that does not load: it warns and samples and fits again.
     Compiled with `dynamic=True`, a model that finds the fit at the example's length and its half
     lowers no half: its later lengths are written from the fit an earlier model filed."""
     import contextlib
@@ -387,6 +389,49 @@ def check_dynamic_lengths():
     return out
 
 
+def check_a_second_length_that_does_not_fit():
+    """The default mode samples a config's second length and fits it with the first. An odd length
+    under sequence parallelism (13 tokens on 2 ranks: uneven pieces) does not fit: its sample, one
+    lowering, becomes its program (code written, nothing lowered twice), and later lengths are
+    lowered one by one. One device's numbers at each."""
+    import os
+
+    from hotswitch.compiler import program
+
+    model = make_model("llama")
+    config = hs.DistConfig("tp2sp", tp=2, sp=True)
+    propagated, real = [], program.propagate_graph
+
+    def propagate(*args, **kwargs):
+        propagated.append(1)
+        return real(*args, **kwargs)
+
+    said = []
+    os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered here, none loaded
+    try:
+        cm = hs.compile(model, batch(), [config], progress=said.append)
+        out = {}
+        for seq in (13, 16):
+            ids, labels = batch(seq=seq)
+            loss_ref, grads_ref = reference(model, ids, labels)
+            with mock.patch.object(program, "propagate_graph", propagate):
+                propagated.clear()
+                gm = cm.exec_graph(config.name, (tuple(ids.shape), tuple(labels.shape)))
+            (made,) = [p for p in cm._state(config.name).programs.values() if p.joint is gm]
+            cm.zero_grad()
+            loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
+            grads = cm.full_grads()
+            out[seq] = dict(lowerings=len(propagated), fitted=made.fitted, cut=made.backward is not None,
+                            code_is_the_graphs=gm.code == gm.graph.python_code("self").src,
+                            loss_err=abs(loss.item() - loss_ref.item()) / loss_ref.item(),
+                            grad_err=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
+    finally:
+        del os.environ["HOTSWITCH_CACHE"]
+    out["refused"] = [f.refused for f in cm._state(config.name).lengths.values()]
+    out["said"] = [m for m in said if "no fit in the length" in m]
+    return out
+
+
 def check_dynamic_pipeline_stages():
     """pp2, each stage on a device of its own (nothing to shard, so no decision to replay): with
     `dynamic=True` each stage's micro-batch programs are fitted in the length while compiling, and
@@ -429,6 +474,7 @@ results = dist_fixture(2, [check_second_pass_reuses_unchanged_decisions, check_l
                            check_learned_positions_with_a_tied_embedding,
                            check_a_warm_cache_replays_decisions, check_a_warm_cache_fits_later_lengths,
                            check_dynamic_lengths, check_dynamic_pipeline_stages,
+                           check_a_second_length_that_does_not_fit,
                            check_gradient_buckets_reduce_behind_the_backward,
                            check_waits_sit_where_results_are_read, check_wrong_device_count,
                            check_tp_not_dividing_heads, check_unknown_config, check_op_without_rule,
@@ -535,21 +581,22 @@ def test_a_warm_cache_replays_decisions(results):
 def test_a_warm_cache_fits_later_lengths(results):
     for ranks in results["check_a_warm_cache_fits_later_lengths"].raise_if_failed():
         cold, warm, unreadable, unfitting, dynamic = ranks
-        assert [cold[s]["fitted"] for s in (12, 16, 20, 24)] == [None, None, (12, 16), (12, 16)], cold
-        assert [warm[s]["loaded"] for s in (12, 16)] == [True, True], warm  # from the first model's disk
-        assert [warm[s]["fitted"] for s in (20, 24)] == [(12, 16), (12, 16)], warm
+        # the second length is written from the fit too: its sample is a graph, never a program
+        assert [cold[s]["fitted"] for s in (12, 16, 20, 24)] == [None, (12, 16), (12, 16), (12, 16)], cold
+        assert warm[12]["loaded"], warm  # from the first model's disk
+        assert [warm[s]["fitted"] for s in (16, 20, 24)] == [(12, 16)] * 3, warm
         for run in (cold, warm):  # written from the fit of the two programs, in each process
-            assert [run[s]["loaded"] for s in (20, 24)] == [False, False] and run[24]["fits"] == [True], run
-        assert cold[24]["fit_loaded"] == [False] and warm[24]["fit_loaded"] == [True]  # fitted once, then loaded
+            assert [run[s]["loaded"] for s in (16, 20, 24)] == [False] * 3 and run[24]["fits"] == [True], run
+        assert cold[24]["fit_loaded"] == [False] and warm[16]["fit_loaded"] == [True]  # fitted once, then loaded
         # a step runs a program's code: a fitted one's graph is never written, and in the warm process
         # neither is a loaded one's, not even the first's, which the fit is bound to
-        assert [cold[s]["graph_built"] for s in (12, 16, 20, 24)] == [True, True, False, False], cold
+        assert [cold[s]["graph_built"] for s in (12, 16, 20, 24)] == [True, False, False, False], cold
         assert [warm[s]["graph_built"] for s in (12, 16, 20, 24)] == [False] * 4, warm
         assert all(warm[s]["loss"] == cold[s]["loss"] and warm[s]["code"] == cold[s]["code"] for s in (12, 16, 20, 24))
         assert cold["warned"] == warm["warned"] == []
-        # a fit that does not load: said once, fitted again from the loaded programs, the same code
-        assert [unfitting[s]["loaded"] for s in (12, 16)] == [True, True] and unfitting[24]["fit_loaded"] == [False]
-        assert [unfitting[s]["fitted"] for s in (20, 24)] == [(12, 16)] * 2, unfitting
+        # a fit that does not load: said once, the second length sampled and fitted again, the same code
+        assert unfitting[12]["loaded"] and not unfitting[16]["loaded"] and unfitting[24]["fit_loaded"] == [False]
+        assert [unfitting[s]["fitted"] for s in (16, 20, 24)] == [(12, 16)] * 3, unfitting
         assert len(unfitting["warned"]) == 1 and "length fit did not load" in unfitting["warned"][0], unfitting
         assert all(unfitting[s]["code"] == cold[s]["code"] for s in (12, 16, 20, 24))
         # dynamic=True: the first model lowers the half length (6) and files the fit; the second loads it
@@ -558,9 +605,9 @@ def test_a_warm_cache_fits_later_lengths(results):
         assert second["lengths"] == [[12]] and second["fit_loaded"] == [True], second  # no half lowered
         assert any("the compile cache had the fit" in m for m in second["said"]), second["said"]
         assert first["fitted"] == second["fitted"] == (12, 6) and first["code"] == second["code"]
-        # entries that do not load: said once, then lowered (the decisions replayed) and fitted again
+        # entries that do not load: said once, then the first lowered (its decisions replayed), the fit bound to it
         assert [unreadable[s]["loaded"] for s in (12, 16, 20, 24)] == [False] * 4, unreadable
-        assert [unreadable[s]["fitted"] for s in (20, 24)] == [(12, 16)] * 2 and unreadable[24]["fits"] == [True]
+        assert [unreadable[s]["fitted"] for s in (16, 20, 24)] == [(12, 16)] * 3 and unreadable[24]["fits"] == [True]
         assert len(unreadable["warned"]) == 1 and "did not load" in unreadable["warned"][0], unreadable["warned"]
         assert all(unreadable[s]["loss"] == cold[s]["loss"] for s in (12, 16, 20, 24))
         layers = 2
@@ -588,6 +635,16 @@ def test_dynamic_lengths(results):
         assert r["odd_fits"] == [False] and any("11, is odd" in m for m in r["odd_said"]), r["odd_said"]
         # asked for and not given: a warning says so too, where no progress callback is passed
         assert len(r["odd_warned"]) == 1 and "11, is odd" in r["odd_warned"][0], r["odd_warned"]
+
+
+def test_a_second_length_that_does_not_fit_is_its_sample_completed(results):
+    for r in results["check_a_second_length_that_does_not_fit"].raise_if_failed():
+        for seq in (13, 16):
+            assert r[seq]["lowerings"] == 1 and r[seq]["fitted"] is None, (seq, r[seq])  # sampled once, completed
+            assert r[seq]["code_is_the_graphs"] and not r[seq]["cut"], (seq, r[seq])
+            assert r[seq]["loss_err"] < 1e-5 and r[seq]["grad_err"] < 1e-4, (seq, r[seq])
+        assert len(r["refused"]) == 1 and r["refused"][0], r["refused"]
+        assert len(r["said"]) == 1 and "13" in r["said"][0], r["said"]
 
 
 def test_dynamic_pipeline_stages_are_fitted(results):

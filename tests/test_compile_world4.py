@@ -103,9 +103,9 @@ def check_lowering_equals_make_fx_on_a_2d_mesh():
 
 def check_dp_ranks_lower_one_program():
     """Ranks that differ only in their dp coordinate, with equal local batches, run one lowering
-    between them (the others load its program), at the first length and at a second one (there
-    the others do not even replay the decisions: the first length's program was one for all), and
-    every rank's numbers are still exact."""
+    between them (the others load its program) at the first length, and at a second one one sample
+    and fit (the others load the fit and write their program from it, as the sampling rank does:
+    the first length's program was one for all), and every rank's numbers are still exact."""
     import os
 
     from tests.compile_checks import reference, rel_err
@@ -126,8 +126,10 @@ def check_dp_ranks_lower_one_program():
             loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
             grads = cm.full_grads()
             program = cm._state(config.name).programs[next(reversed(cm._state(config.name).programs))]
+            (family,) = cm._state(config.name).lengths.values()
             out[config.name, seq] = dict(
-                loaded=program.loaded, propagated=program.propagate_seconds > 0,
+                loaded=program.loaded, propagated=program.propagate_seconds > 0, fitted=program.fitted,
+                sampled=[length for length, _ in family.lowered[1:]], fit_loaded=family.fit_loaded,
                 coordinate=tuple(cm._state(config.name).mesh.get_coordinate()),
                 loss_err=abs(loss.item() - loss_ref.item()) / loss_ref.item(),
                 grad_err=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
@@ -293,19 +295,25 @@ def test_lowering_builds_the_program_make_fx_would_trace_on_a_2d_mesh(results):
 
 def test_dp_ranks_lower_one_program_for_all(results):
     ranks = results["check_dp_ranks_lower_one_program"].raise_if_failed()
-    for seq in (12, 16):
-        assert sum(not r["dp4", seq]["loaded"] for r in ranks) == 1  # one of the four lowered dp4
-        lowered = [r["dp2tp2", seq]["coordinate"] for r in ranks if not r["dp2tp2", seq]["loaded"]]
-        assert sorted(c[1] for c in lowered) == [0, 1], lowered  # one rank per tp coordinate lowered dp2tp2
-        for r in ranks:
-            for name in ("dp4", "dp2tp2"):
-                assert r[name, seq]["loss_err"] <= 1e-5 and r[name, seq]["grad_err"] <= 1e-5, (name, seq, r)
-    # a rank that loads the program has not replayed the decisions: at the second length (its first
-    # program was shared), and at the first (the decisions it received say their program is shared)
+    assert sum(not r["dp4", 12]["loaded"] for r in ranks) == 1  # one of the four lowered dp4
+    lowered = [r["dp2tp2", 12]["coordinate"] for r in ranks if not r["dp2tp2", 12]["loaded"]]
+    assert sorted(c[1] for c in lowered) == [0, 1], lowered  # one rank per tp coordinate lowered dp2tp2
+    # the second length: written from the fit on every rank; one rank (per tp coordinate) sampled it
+    assert sum(not r["dp4", 16]["fit_loaded"] for r in ranks) == 1
+    sampled = [r["dp2tp2", 16]["coordinate"] for r in ranks if not r["dp2tp2", 16]["fit_loaded"]]
+    assert sorted(c[1] for c in sampled) == [0, 1], sampled
     for r in ranks:
         for name in ("dp4", "dp2tp2"):
+            assert r[name, 16]["fitted"] == (12, 16) and not r[name, 16]["loaded"], (name, r)
+            assert r[name, 16]["sampled"] == ([] if r[name, 16]["fit_loaded"] else [16]), (name, r)
             for seq in (12, 16):
-                assert r[name, seq]["propagated"] == (not r[name, seq]["loaded"]), (name, seq, r)
+                assert r[name, seq]["loss_err"] <= 1e-5 and r[name, seq]["grad_err"] <= 1e-5, (name, seq, r)
+    # a rank that loads the program has not replayed the decisions (the decisions it received say
+    # their program is shared); a fitted one replays nothing
+    for r in ranks:
+        for name in ("dp4", "dp2tp2"):
+            assert r[name, 12]["propagated"] == (not r[name, 12]["loaded"]), (name, r)
+            assert not r[name, 16]["propagated"], (name, r)
 
 
 def test_inductor_dp_tp_sp_equals_eager_and_one_device(results):

@@ -106,9 +106,9 @@ def check_llama_matches_single_device():
 
 
 def check_lengths_fitted_in_training():
-    """One config for every bucket and one row per micro-batch at every length: once two lengths are
-    lowered, the others are written from their fit (`compiler.lengths`), and the steps still equal
-    single-device AdamW."""
+    """One config for every bucket and one row per micro-batch at every length: once the first length
+    is lowered and a second sampled, every other length (the second too) is written from their fit
+    (`compiler.lengths`), and the steps still equal single-device AdamW."""
     model = _model("gpt")
     batches = _batches()
     ref = _reference_steps(model, batches)
@@ -301,8 +301,8 @@ def test_gpt_with_zero1_equals_single_device_adamw(results):
 def test_lengths_fitted_in_training_equal_single_device_adamw(results):
     steps, fitted = results["check_lengths_fitted_in_training"].raise_if_failed()[0]
     _assert_equivalent(steps, worst_tensor=1e-5, configs=["tp4sp"])
-    # the first two lengths lowered, every other one fitted from those
-    assert len(fitted) >= 3 and fitted.count(None) == 2 and len(set(fitted) - {None}) == 1, fitted
+    # the first length lowered, every other one (the second, sampled, too) written from one fit
+    assert len(fitted) >= 3 and fitted.count(None) == 1 and len(set(fitted) - {None}) == 1, fitted
 
 
 def test_hf_llama_equals_single_device_adamw(results):

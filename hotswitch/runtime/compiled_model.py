@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ from hotswitch.compiler.lower import ShardingDecisions
 from hotswitch.compiler.program import (
     StageMesh,
     StageProgram,
+    completed,
     fit_key,
     fit_programs,
     load_fit,
@@ -52,7 +53,8 @@ from hotswitch.switch.state import StateKind, split_key, state_key
 @dataclass
 class LengthFamily:
     """A config's programs (its stage's on this rank, under pp > 1) at one local shape but the sequence
-    length: the first two lowered, then their fit (`compiler.lengths`), or why they do not fit."""
+    length: the first lowered and a second (a sample, `CompiledModel._second_length`, or lowered in
+    full where sampling failed), then their fit (`compiler.lengths`), or why they do not fit."""
 
     lowered: list[tuple[int, StageProgram]] = field(default_factory=list)  # (length, program)
     fit: LengthFit | None = None
@@ -943,8 +945,13 @@ class CompiledModel:
             what = f"{st.config.name} for local {'micro-batches' if not reduce else 'inputs'} {list(key[0][0])}" + (
                 "" if train else " (forward only)") + (f", stage {st.stage}" if st.full_mesh is not None else "")
             program = self._fitted(st, key)
-            if program is not None:
+            if program is None:
+                program = self._second_length(st, key, what)
+            if program is not None and program.fitted is not None:
                 how = f"fitted from lengths {program.fitted[0]} and {program.fitted[1]}"
+            elif program is not None:
+                refused = st.lengths[self._by_length(key)[0]].refused
+                how = f"{program.replayed} placements replayed; no fit in the length: {refused}"
             else:
                 self._report(f"lowering {what}")
                 program = self._lower(st, key)
@@ -984,8 +991,9 @@ class CompiledModel:
         return (family, train, reduce), lengths.pop()
 
     def _learn_length(self, st: ConfigState, key: tuple, program: StageProgram) -> None:
-        """After lowering a program (the whole model's, or this rank's stage's): the first two at its
-        shapes but the length are kept, for `_fitted` to fit when a third length comes."""
+        """After lowering a program (the whole model's, or this rank's stage's): the first at its shapes
+        but the length is kept, for `_second_length` to sample the next and fit the two (and a second,
+        where that sample did not lower, for `_fitted` to fit when a third length comes)."""
         found = self._by_length(key)
         if found is not None:
             family = st.lengths.setdefault(found[0], LengthFamily())
@@ -1010,33 +1018,82 @@ class CompiledModel:
                 self._report(f"{st.config.name}: length {found[1]} is lowered ({e})")
             return None
 
-    def _length_fit(self, st: ConfigState, family: LengthFamily) -> LengthFit:
+    def _second_length(self, st: ConfigState, key: tuple, what: str) -> StageProgram | None:
+        """The program for `key` at a second sequence length of its rows, as the fit of the first and
+        this one: this length is lowered as a sample (its decisions replayed, its graph only, as
+        `dynamic=True` lowers half the first length), fitted with the first, and its program written
+        from the fit like every later length's, so that neither this length nor the next writes,
+        compiles or files a program of its own. Where they do not fit, the sample is completed into
+        this length's program. Ranks that differ only in their dp coordinate and ran one first
+        program between them (its decisions say so) sample and fit once: the first to get here does,
+        the others wait for its fit ("shared length fit"). None: not a second length (or
+        `dynamic=False`), or the sample did not lower (the full lowering says why)."""
+        found = self._by_length(key)
+        family = st.lengths.get(found[0]) if found is not None else None
+        if self.dynamic is False or family is None or len(family.lowered) != 1 or family.fit is not None or \
+                family.refused is not None:
+            return None
+        t0, fit_seconds = time.perf_counter(), st.fit_seconds
+        first_length, first = family.lowered[0]
+        shared = first.decisions is not None and first.decisions.dp_shared
+        kind = "shared length fit" if shared else "length fit"
+        filed = fit_key(self._cache, first, first_length, found[1], kind)
+        sample = None
+        if not self._cached_fit(st, family, filed, kind):  # (a shared fit's: ours to make, put or fail)
+            self._report(f"lowering {what}")
+            try:
+                sample = self._lower(st, key, sample=True)
+            except Exception:  # noqa: BLE001 - lowered again in full, which raises what is wrong
+                if shared and filed is not None:
+                    self._cache.failed(filed)  # the other dp ranks lower it themselves (and raise the same)
+                return None
+            if shared and filed is not None and not sample.decisions.dp_shared:
+                # this length's program reads the dp coordinate (uneven rows, say): so does its fit
+                self._cache.failed(filed)
+                filed = None
+            family.lowered.append((found[1], sample))
+            try:
+                self._length_fit(st, family, filed, kind)
+            except CannotFit as e:
+                self._report(f"{st.config.name}: every sequence length is lowered ({e})")
+        st.fit_seconds = fit_seconds  # (all of it this length's: its program's seconds)
+        program = self._fitted(st, key)
+        if program is None and sample is not None:  # refused: its own program, from its sample
+            program = completed(sample)
+        return None if program is None else replace(program, seconds=time.perf_counter() - t0)
+
+    def _length_fit(self, st: ConfigState, family: LengthFamily, *filed) -> LengthFit:
         """The fit of `family`'s two lowered programs, computed once, or loaded where an earlier
-        process filed it in the compile cache (CannotFit: why not, kept)."""
+        process filed it in the compile cache (CannotFit: why not, kept). `filed`: (key, kind) where
+        the cache has been looked in already (`_second_length`), to file it there."""
         if family.fit is None:
             (length_a, first), (length_b, second) = family.lowered
-            key = fit_key(self._cache, first, length_a, length_b)
-            if self._cached_fit(st, family, key):
+            key, kind = filed or (fit_key(self._cache, first, length_a, length_b), "length fit")
+            if not filed and self._cached_fit(st, family, key):
                 return family.fit
+            claimed = key is not None and kind == "shared length fit"  # other dp ranks wait for it
             t0 = time.perf_counter()
             try:
                 family.fit = fit_programs(self.logic, first, length_a, second, length_b)
-            except CannotFit as e:
-                family.refused = str(e)
+            except BaseException as e:
+                if isinstance(e, CannotFit):
+                    family.refused = str(e)
+                if claimed:
+                    self._cache.failed(key)  # they fit for themselves (and are refused alike)
                 raise
             finally:
                 st.fit_seconds += time.perf_counter() - t0
-            if key is not None:
-                store_fit(self._cache, key, family.fit, st.where)
+            if key is not None and not store_fit(self._cache, key, family.fit, st.where, kind) and claimed:
+                self._cache.failed(key)
         return family.fit
 
-    def _cached_fit(self, st: ConfigState, family: LengthFamily, key: str | None) -> bool:
+    def _cached_fit(self, st: ConfigState, family: LengthFamily, key: str | None, kind: str = "length fit") -> bool:
         """Did the compile cache hold, under `key` (`fit_key`; None: nowhere to look), the fit of
         `family`'s first program? (It is then `family.fit`.)"""
         if key is None:
             return False
         t0 = time.perf_counter()
-        family.fit = load_fit(self._cache, key, family.lowered[0][1], st.where)
+        family.fit = load_fit(self._cache, key, family.lowered[0][1], st.where, kind)
         st.fit_seconds += time.perf_counter() - t0
         family.fit_loaded = family.fit is not None
         return family.fit_loaded
@@ -1206,10 +1263,11 @@ def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = T
     run (kept with the program; a graph Inductor refuses runs eagerly, with a warning saying why).
     `dynamic`, as torch.compile's, says how sequence lengths other than the first are compiled
     (`hotswitch.compiler.lengths`): None, the first new length (at the same rows) replays the
-    first's sharding decisions, most of a lowering, and every later one is written from the fit of
-    those two programs; True, each program's rows are fitted in the length at once (their first
-    lowering is followed by a replay at half its length and the fit), so every new length is
-    written from the fit; False, every length is lowered (replayed), never fitted.
+    first's sharding decisions as a sample (its graph only) and fits the two programs, and it and
+    every later length are written from the fit; True, each program's rows are fitted in the length
+    at once (their first lowering is followed by a sample at half its length and the fit), so no
+    new length lowers anything; False, every length is lowered (replayed), never fitted. Where the
+    programs do not fit (an uneven length, a size not affine in the length), every length is lowered.
     """
     return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy, progress=progress,
                          logic=logic, cp_layout=cp_layout, backend=backend, dynamic=dynamic)

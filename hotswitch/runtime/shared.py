@@ -116,13 +116,14 @@ def _remember(key: str, logic: LogicGraph) -> LogicGraph:
 class SharedCache:
     """The compile cache as compiling consults it (`compiler.program.lower_program`, `trace_once`):
     this host's disk first, then, for what every rank computes alike (a LogicGraph, a graph's
-    decisions, a program every dp rank lowers alike: "shared program"), what another rank of the job
-    computed, which then goes on this rank's disk too (ranks on other hosts have other disks). A
-    rank's own lowered programs ("program") stay on its disk.
+    decisions, a program every dp rank lowers alike: "shared program", and its length fit: "shared
+    length fit"), what another rank of the job computed, which then goes on this rank's disk too
+    (ranks on other hosts have other disks). A rank's own lowered programs ("program") stay on its
+    disk.
     A `get` that returns None for a shared kind makes this rank the one to compute it: `put` or `failed`."""
 
     key = staticmethod(CompileCache.key)
-    _SHARED = ("decisions", "logic", "shared program")
+    _SHARED = ("decisions", "logic", "shared program", "shared length fit")
 
     def __init__(self, disk: CompileCache | None, once: JobOnce):
         self.disk, self.once = disk, once
