@@ -56,7 +56,8 @@ class LengthFamily:
     length: the first lowered and a second (a sample, `CompiledModel._second_length`, or lowered in
     full where sampling failed), then their fit (`compiler.lengths`), or why they do not fit."""
 
-    lowered: list[tuple[int, StageProgram]] = field(default_factory=list)  # (length, program)
+    # (length, program); the second's program is dropped once fitted (a sample's graph: nothing reads it again)
+    lowered: list[tuple[int, StageProgram | None]] = field(default_factory=list)
     fit: LengthFit | None = None
     refused: str | None = None
     fit_loaded: bool = False  # the fit came from the compile cache (an earlier process made it)
@@ -1085,6 +1086,7 @@ class CompiledModel:
                 st.fit_seconds += time.perf_counter() - t0
             if key is not None and not store_fit(self._cache, key, family.fit, st.where, kind) and claimed:
                 self._cache.failed(key)
+            family.lowered[1] = (length_b, None)  # its 24,000 objects at 8 layers, for the collector to walk
         return family.fit
 
     def _cached_fit(self, st: ConfigState, family: LengthFamily, key: str | None, kind: str = "length fit") -> bool:
