@@ -392,8 +392,9 @@ def check_dynamic_lengths():
 def check_a_second_length_that_does_not_fit():
     """The default mode samples a config's second length and fits it with the first. An odd length
     under sequence parallelism (13 tokens on 2 ranks: uneven pieces) does not fit: its sample, one
-    lowering, becomes its program (code written, nothing lowered twice), and later lengths are
-    lowered one by one. One device's numbers at each."""
+    lowering, becomes its program (code written, nothing lowered twice), and the next length (16) is
+    sampled and fitted in its place; the one after (20) is written from that fit. One device's
+    numbers at each."""
     import os
 
     from hotswitch.compiler import program
@@ -411,7 +412,7 @@ def check_a_second_length_that_does_not_fit():
     try:
         cm = hs.compile(model, batch(), [config], progress=said.append)
         out = {}
-        for seq in (13, 16):
+        for seq in (13, 16, 20):
             ids, labels = batch(seq=seq)
             loss_ref, grads_ref = reference(model, ids, labels)
             with mock.patch.object(program, "propagate_graph", propagate):
@@ -428,7 +429,8 @@ def check_a_second_length_that_does_not_fit():
     finally:
         del os.environ["HOTSWITCH_CACHE"]
     out["refused"] = [f.refused for f in cm._state(config.name).lengths.values()]
-    out["said"] = [m for m in said if "no fit in the length" in m]
+    out["unfit"] = [[length for length, _ in f.unfit] for f in cm._state(config.name).lengths.values()]
+    out["said"] = [m for m in said if "no fit in the length" in m or "the next is tried" in m]
     return out
 
 
@@ -637,14 +639,16 @@ def test_dynamic_lengths(results):
         assert len(r["odd_warned"]) == 1 and "11, is odd" in r["odd_warned"][0], r["odd_warned"]
 
 
-def test_a_second_length_that_does_not_fit_is_its_sample_completed(results):
+def test_a_second_length_that_does_not_fit_is_its_sample_completed_and_the_next_is_sampled(results):
     for r in results["check_a_second_length_that_does_not_fit"].raise_if_failed():
-        for seq in (13, 16):
-            assert r[seq]["lowerings"] == 1 and r[seq]["fitted"] is None, (seq, r[seq])  # sampled once, completed
-            assert r[seq]["code_is_the_graphs"] and not r[seq]["cut"], (seq, r[seq])
+        assert r[13]["lowerings"] == 1 and r[13]["fitted"] is None, r[13]  # sampled once, completed
+        assert r[13]["code_is_the_graphs"] and not r[13]["cut"], r[13]
+        assert r[16]["lowerings"] == 1 and r[16]["fitted"] == (12, 16), r[16]  # sampled in 13's place, fitted
+        assert r[20]["lowerings"] == 0 and r[20]["fitted"] == (12, 16), r[20]  # written from that fit
+        for seq in (13, 16, 20):
             assert r[seq]["loss_err"] < 1e-5 and r[seq]["grad_err"] < 1e-4, (seq, r[seq])
-        assert len(r["refused"]) == 1 and r["refused"][0], r["refused"]
-        assert len(r["said"]) == 1 and "13" in r["said"][0], r["said"]
+        assert r["refused"] == [None] and r["unfit"] == [[13]], (r["refused"], r["unfit"])
+        assert len(r["said"]) == 2 and all("13" in m for m in r["said"]), r["said"]
 
 
 def test_dynamic_pipeline_stages_are_fitted(results):

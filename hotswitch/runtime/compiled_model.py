@@ -49,6 +49,9 @@ from hotswitch.switch.order import OrderPlan, plan_order
 from hotswitch.switch.planner import PlanCache, SwitchPlan, TensorMove
 from hotswitch.switch.state import StateKind, split_key, state_key
 
+# second lengths a config's rows sample before every length is lowered (`LengthFamily.unfit`)
+_SECOND_LENGTHS = 3
+
 
 @dataclass
 class LengthFamily:
@@ -59,7 +62,10 @@ class LengthFamily:
     # (length, program); the second's program is dropped once fitted (a sample's graph: nothing reads it again)
     lowered: list[tuple[int, StageProgram | None]] = field(default_factory=list)
     fit: LengthFit | None = None
-    refused: str | None = None
+    refused: str | None = None  # why no length is fitted: every one is lowered
+    # second lengths sampled that did not fit (length, why), each then its own program: after
+    # `_SECOND_LENGTHS` of them the family is refused (an uneven length refuses; the next may fit)
+    unfit: list[tuple[int, str]] = field(default_factory=list)
     fit_loaded: bool = False  # the fit came from the compile cache (an earlier process made it)
 
 
@@ -951,8 +957,8 @@ class CompiledModel:
             if program is not None and program.fitted is not None:
                 how = f"fitted from lengths {program.fitted[0]} and {program.fitted[1]}"
             elif program is not None:
-                refused = st.lengths[self._by_length(key)[0]].refused
-                how = f"{program.replayed} placements replayed; no fit in the length: {refused}"
+                unfit = st.lengths[self._by_length(key)[0]].unfit
+                how = f"{program.replayed} placements replayed; no fit in the length: {unfit[-1][1] if unfit else '?'}"
             else:
                 self._report(f"lowering {what}")
                 program = self._lower(st, key)
@@ -1024,11 +1030,12 @@ class CompiledModel:
         this one: this length is lowered as a sample (its decisions replayed, its graph only, as
         `dynamic=True` lowers half the first length), fitted with the first, and its program written
         from the fit like every later length's, so that neither this length nor the next writes,
-        compiles or files a program of its own. Where they do not fit, the sample is completed into
-        this length's program. Ranks that differ only in their dp coordinate and ran one first
-        program between them (its decisions say so) sample and fit once: the first to get here does,
-        the others wait for its fit ("shared length fit"). None: not a second length (or
-        `dynamic=False`), or the sample did not lower (the full lowering says why)."""
+        compiles or files a program of its own. Where they do not fit, the sample is completed into this
+        length's program, and the next new length is sampled in its place (an uneven length does not
+        fit; an even one after it may), `_SECOND_LENGTHS` in all. Ranks that differ only in their dp
+        coordinate and ran one first program between them (its decisions say so) sample and fit once:
+        the first to get here does, the others wait for its fit ("shared length fit"). None: not a
+        second length (or `dynamic=False`), or the sample did not lower (the full lowering says why)."""
         found = self._by_length(key)
         family = st.lengths.get(found[0]) if found is not None else None
         if self.dynamic is False or family is None or len(family.lowered) != 1 or family.fit is not None or \
@@ -1056,7 +1063,15 @@ class CompiledModel:
             try:
                 self._length_fit(st, family, filed, kind)
             except CannotFit as e:
-                self._report(f"{st.config.name}: every sequence length is lowered ({e})")
+                # this length is its sample's program; the next new length is sampled and fitted in its
+                # place, up to `_SECOND_LENGTHS` in all
+                family.lowered.pop()
+                family.unfit.append((found[1], str(e)))
+                if len(family.unfit) < _SECOND_LENGTHS:
+                    family.refused = None
+                    self._report(f"{st.config.name}: length {found[1]} is lowered ({e}); the next is tried")
+                else:
+                    self._report(f"{st.config.name}: every sequence length is lowered ({e})")
         st.fit_seconds = fit_seconds  # (all of it this length's: its program's seconds)
         program = self._fitted(st, key)
         if program is None and sample is not None:  # refused: its own program, from its sample
