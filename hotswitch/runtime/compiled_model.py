@@ -1101,7 +1101,7 @@ class CompiledModel:
                 st.fit_seconds += time.perf_counter() - t0
             if key is not None and not store_fit(self._cache, key, family.fit, st.where, kind) and claimed:
                 self._cache.failed(key)
-            family.lowered[1] = (length_b, None)  # its 24,000 objects at 8 layers, for the collector to walk
+            family.lowered[1] = (length_b, None)  # about 21,000 objects at 8 layers, for the collector to walk
         return family.fit
 
     def _cached_fit(self, st: ConfigState, family: LengthFamily, key: str | None, kind: str = "length fit") -> bool:
