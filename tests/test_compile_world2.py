@@ -394,7 +394,8 @@ def check_a_second_length_that_does_not_fit():
     under sequence parallelism (13 tokens on 2 ranks: uneven pieces) does not fit: its sample, one
     lowering, becomes its program (code written, nothing lowered twice), and the next length (16) is
     sampled and fitted in its place; the one after (20) is written from that fit. One device's
-    numbers at each."""
+    numbers at each. Lengths that never fit (13, 15, 17) are sampled three times, then the rows are
+    refused: 19 is lowered, not sampled."""
     import os
 
     from hotswitch.compiler import program
@@ -426,8 +427,20 @@ def check_a_second_length_that_does_not_fit():
                             code_is_the_graphs=gm.code == gm.graph.python_code("self").src,
                             loss_err=abs(loss.item() - loss_ref.item()) / loss_ref.item(),
                             grad_err=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
+        # lengths that never fit (odd ones): three are sampled, then the rows are refused and the
+        # fourth is lowered without a sample
+        odd = hs.compile(model, batch(), [config], logic=cm.logic)
+        out["odd_lowerings"] = []
+        for seq in (13, 15, 17, 19):
+            ids, labels = batch(seq=seq)
+            with mock.patch.object(program, "propagate_graph", propagate):
+                propagated.clear()
+                odd.exec_graph(config.name, (tuple(ids.shape), tuple(labels.shape)))
+            out["odd_lowerings"].append(len(propagated))
     finally:
         del os.environ["HOTSWITCH_CACHE"]
+    (family,) = odd._state(config.name).lengths.values()
+    out["odd_unfit"], out["odd_refused"] = [length for length, _ in family.unfit], family.refused
     out["refused"] = [f.refused for f in cm._state(config.name).lengths.values()]
     out["unfit"] = [[length for length, _ in f.unfit] for f in cm._state(config.name).lengths.values()]
     out["said"] = [m for m in said if "no fit in the length" in m or "the next is tried" in m]
@@ -649,6 +662,8 @@ def test_a_second_length_that_does_not_fit_is_its_sample_completed_and_the_next_
             assert r[seq]["loss_err"] < 1e-5 and r[seq]["grad_err"] < 1e-4, (seq, r[seq])
         assert r["refused"] == [None] and r["unfit"] == [[13]], (r["refused"], r["unfit"])
         assert len(r["said"]) == 2 and all("13" in m for m in r["said"]), r["said"]
+        assert r["odd_lowerings"] == [1] * 4, r["odd_lowerings"]  # a sample completed, or a lowering: one each
+        assert r["odd_unfit"] == [13, 15, 17] and r["odd_refused"], (r["odd_unfit"], r["odd_refused"])
 
 
 def test_dynamic_pipeline_stages_are_fitted(results):

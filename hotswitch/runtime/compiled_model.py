@@ -956,9 +956,8 @@ class CompiledModel:
                 program = self._second_length(st, key, what)
             if program is not None and program.fitted is not None:
                 how = f"fitted from lengths {program.fitted[0]} and {program.fitted[1]}"
-            elif program is not None:
-                unfit = st.lengths[self._by_length(key)[0]].unfit
-                how = f"{program.replayed} placements replayed; no fit in the length: {unfit[-1][1] if unfit else '?'}"
+            elif program is not None:  # (why not fitted: said as it was refused)
+                how = f"{program.replayed} placements replayed; no fit in the length"
             else:
                 self._report(f"lowering {what}")
                 program = self._lower(st, key)
@@ -1061,31 +1060,27 @@ class CompiledModel:
                 filed = None
             family.lowered.append((found[1], sample))
             try:
-                self._length_fit(st, family, filed, kind)
-            except CannotFit as e:
-                # this length is its sample's program; the next new length is sampled and fitted in its
-                # place, up to `_SECOND_LENGTHS` in all
-                family.lowered.pop()
-                family.unfit.append((found[1], str(e)))
-                if len(family.unfit) < _SECOND_LENGTHS:
-                    family.refused = None
-                    self._report(f"{st.config.name}: length {found[1]} is lowered ({e}); the next is tried")
-                else:
-                    self._report(f"{st.config.name}: every sequence length is lowered ({e})")
+                self._length_fit(st, family, (filed, kind))
+            except CannotFit as e:  # this length is its sample's program
+                self._report(f"{st.config.name}: every sequence length is lowered ({e})" if family.refused else
+                             f"{st.config.name}: length {found[1]} is lowered ({e}); the next is tried")
         st.fit_seconds = fit_seconds  # (all of it this length's: its program's seconds)
         program = self._fitted(st, key)
         if program is None and sample is not None:  # refused: its own program, from its sample
             program = completed(sample)
         return None if program is None else replace(program, seconds=time.perf_counter() - t0)
 
-    def _length_fit(self, st: ConfigState, family: LengthFamily, *filed) -> LengthFit:
+    def _length_fit(self, st: ConfigState, family: LengthFamily,
+                    filed: tuple[str | None, str] | None = None) -> LengthFit:
         """The fit of `family`'s two lowered programs, computed once, or loaded where an earlier
-        process filed it in the compile cache (CannotFit: why not, kept). `filed`: (key, kind) where
-        the cache has been looked in already (`_second_length`), to file it there."""
+        process filed it in the compile cache. `filed`: (key, kind) where the cache has been looked in
+        already (`_second_length`), to file it there. CannotFit: the second is dropped, and the next
+        new length is sampled in its place; after `_SECOND_LENGTHS` of them every length is lowered
+        (`family.refused`)."""
         if family.fit is None:
             (length_a, first), (length_b, second) = family.lowered
             key, kind = filed or (fit_key(self._cache, first, length_a, length_b), "length fit")
-            if not filed and self._cached_fit(st, family, key):
+            if filed is None and self._cached_fit(st, family, key):
                 return family.fit
             claimed = key is not None and kind == "shared length fit"  # other dp ranks wait for it
             t0 = time.perf_counter()
@@ -1093,7 +1088,10 @@ class CompiledModel:
                 family.fit = fit_programs(self.logic, first, length_a, second, length_b)
             except BaseException as e:
                 if isinstance(e, CannotFit):
-                    family.refused = str(e)
+                    family.lowered.pop()  # (its own program already: a sample completed, or lowered in full)
+                    family.unfit.append((length_b, str(e)))
+                    if len(family.unfit) >= _SECOND_LENGTHS:
+                        family.refused = str(e)
                 if claimed:
                     self._cache.failed(key)  # they fit for themselves (and are refused alike)
                 raise
