@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import hashlib
 import linecache
 import marshal
@@ -21,10 +22,10 @@ from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, 
 
 __all__ = ["FakeTensorMode", "FloorDiv", "OpName", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen",
            "codeless_module", "codeless_modules", "copied_graph", "copy_node", "core_aten_decompositions",
-           "detect_fake_mode", "graph_built", "half_precision_math_attention", "inductor_compile",
+           "detect_fake_mode", "graph_built", "graph_module", "half_precision_math_attention", "inductor_compile",
            "inductor_default_cache_dir", "is_mutable", "lists_codegen", "map_args", "meta_like", "module_with_code",
-           "module_with_lazy_graph", "op_of", "op_schema", "pytree", "renamed_strings", "sdpa_backend", "size_hint",
-           "symbolic_fake_mode", "symbols_of", "with_code", "written_code"]
+           "module_with_lazy_graph", "op_of", "op_schema", "pytree", "python_code", "renamed_strings", "sdpa_backend",
+           "size_hint", "symbolic_fake_mode", "symbols_of", "with_code", "written_code"]
 
 OpOverload = torch._ops.OpOverload
 
@@ -305,6 +306,152 @@ def module_with_code(root, graph, code: WrittenCode):
         gm._code, gm._lineno_map, gm._prologue_start = code.src, code.lineno_map, code.prologue_start
         type(gm).forward = forward
     return gm
+
+
+class _Unwritten(Exception):
+    """A graph `python_code` leaves to fx."""
+
+
+# what `python_code` writes as `repr` writes it (exact types: an IntEnum or a NamedTuple is fx's)
+_PLAIN = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format))
+
+
+def python_code(graph, root_module: str = "self", **options):
+    """`graph.python_code(root_module)`: fx's code for `graph`, the same source, globals and line
+    map, written in a quarter of fx's time (an ExecGraph's nodes cost fx 12 us each, most of it its
+    bookkeeping: each node's repr function swapped in and out, its name looked up at each use). For
+    graphs of placeholders, function calls, attributes and an output, with plain arguments; any
+    other (or other `options`, a verbose printout's, say) fx writes."""
+    from torch.fx.graph import (
+        CodeGen,
+        PythonCode,
+        _custom_builtins,
+        _format_target,
+        _is_from_torch,
+        _Namespace,
+        _PyTreeCodeGen,
+        inplace_methods,
+        magic_methods,
+    )
+    from torch.fx.immutable_collections import immutable_list
+    from torch.fx.node import _get_qualified_name
+
+    gen = graph._codegen
+    if any(options.values()) or type(gen) not in (CodeGen, _PyTreeCodeGen) or gen._body_transformer is not None:
+        return torch.fx.Graph.python_code(graph, root_module, **options)
+    namespace, globals_, names, targets = _Namespace(), {}, {}, {}
+
+    def add_global(name_hint: str, obj) -> str:  # fx's, for the same names in the same order
+        if _is_from_torch(obj) and obj != torch.device:
+            return _get_qualified_name(obj)
+        name = namespace.create_name(name_hint, obj)
+        if globals_.setdefault(name, obj) is not obj:
+            raise _Unwritten
+        return name
+
+    def name_of(node) -> str:  # fx names a node when it first writes it: where it is defined
+        names[node] = name = namespace.create_name(node.name, node)
+        return name
+
+    def arg(a) -> str:
+        kind = type(a)
+        if kind in _PLAIN:
+            return repr(a)
+        if kind is torch.fx.Node:
+            return names[a]  # (KeyError: used before it is defined)
+        if kind is list or kind is immutable_list:
+            return "[" + ", ".join(map(arg, a)) + "]"
+        if kind is tuple:
+            return f"({arg(a[0])},)" if len(a) == 1 else "(" + ", ".join(map(arg, a)) + ")"
+        if kind is OpOverload:
+            return add_global(_get_qualified_name(a), a)
+        if kind is slice:
+            return f"slice({arg(a.start)}, {arg(a.stop)}, {arg(a.step)})"
+        raise _Unwritten
+
+    def call(node) -> str:
+        target = node.target
+        if node.meta.get("is_wrapped", False):
+            raise _Unwritten
+        if getattr(target, "__module__", "") == "_operator":
+            if target.__name__ in magic_methods:
+                return f"{name_of(node)} = {magic_methods[target.__name__].format(*map(arg, node.args))}"
+            if target.__name__ in inplace_methods:
+                raise _Unwritten
+        if target is builtins.getattr:
+            raise _Unwritten
+        written = targets.get(target)
+        if written is None:
+            written = targets[target] = add_global(_get_qualified_name(target), target)
+        name = name_of(node)
+        args = [*map(arg, node.args), *(f"{k} = {arg(v)}" for k, v in node.kwargs.items())]
+        return f"{name} = {written}({', '.join(args)})"
+
+    try:
+        for name, (_, obj) in _custom_builtins.items():
+            add_global(name, obj)
+        nodes = list(graph.nodes)
+        last_uses: dict = {}  # node -> the values read for the last time there, as fx orders them
+        seen = set()
+        for node in reversed(nodes):
+            for value in node._input_nodes:
+                if value not in seen:
+                    seen.add(value)
+                    last_uses.setdefault(node, []).append(value)
+        free_vars, lines, lineno_map, output = [], [], {}, None
+        for index, node in enumerate(nodes):
+            op = node.op
+            if node.type is not None:
+                raise _Unwritten
+            if op == "placeholder":
+                if node.args or not isinstance(node.target, str):
+                    raise _Unwritten
+                free_vars.append(node.target)
+                raw = node.target.replace("*", "")
+                if raw != name_of(node):
+                    lineno_map[len(lines)] = index
+                    lines.append(f"{names[node]} = {raw}")
+                continue
+            if op == "call_function":
+                text = call(node)
+            elif op == "get_attr":
+                text = f"{name_of(node)} = {_format_target(root_module, node.target)}"
+            elif op == "output":
+                text = gen.generate_output(node.args[0], repr_fn=arg)
+                output = index
+            else:
+                raise _Unwritten
+            if op != "output":
+                dead = last_uses.get(node, [])
+                if not node.users:
+                    dead = [*dead, node]
+                if dead:
+                    text += ";  " + " = ".join(names[n] for n in dead) + " = None"
+            for line in text.split("\n"):
+                lineno_map[len(lines)] = index
+                lines.append(line)
+        if output is None:
+            raise _Unwritten
+        lineno_map[len(lines)] = output  # (the empty line after fx's last newline)
+        lines.append("")
+        for name, value in gen.additional_globals():
+            add_global(name, value)
+        prologue = gen._call_method_with_signature_check(gen.gen_fn_def, free_vars, "", expanded_def=False)
+    except (_Unwritten, KeyError):
+        return torch.fx.Graph.python_code(graph, root_module, **options)
+    start = prologue.count("\n") + 1
+    code = "\n".join("    " + line for line in "\n".join(lines).lstrip("\n").split("\n"))
+    return PythonCode(f"\n\n\n{prologue}\n{code}", globals_,
+                      _lineno_map={k + start: v for k, v in lineno_map.items()}, _prologue_start=4)
+
+
+def graph_module(root, graph):
+    """`fx.GraphModule(root, graph)`, its code written by `python_code` (fx's code, sooner)."""
+    graph.python_code = functools.partial(python_code, graph)  # GraphModule's constructor asks once
+    try:
+        return torch.fx.GraphModule(root, graph)
+    finally:
+        del graph.python_code
 
 
 class _UndecodedGraph(torch.fx.Graph):

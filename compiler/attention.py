@@ -35,7 +35,7 @@ from hotswitch.kernels import attention as _kernel
 
 from . import _dtensor as dt
 from . import _torch
-from ._torch import copied_graph, map_args, meta_like
+from ._torch import copied_graph, graph_module, map_args, meta_like
 from .garbage import collector_paused
 
 __all__ = ["ATTENTION_OPS", "MASKED_OPS", "AttentionWhole", "FusedSite", "fuse_attention", "fused_kernels",
@@ -151,7 +151,7 @@ def fused_kernels(gm: fx.GraphModule, device: torch.device, for_inductor: bool =
     graph = copied_graph(gm.graph)
     if not fuse_attention(graph, device, for_inductor):
         return gm
-    out = fx.GraphModule(gm, graph)
+    out = graph_module(gm, graph)
     out.meta.update(gm.meta)
     return out
 

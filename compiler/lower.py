@@ -41,6 +41,7 @@ from ._torch import (
     codeless_module,
     codeless_modules,
     copy_node,
+    graph_module,
     map_args,
     meta_like,
     op_schema,
@@ -1187,7 +1188,7 @@ class _ProgramBuilder:
         for name, value in self.attrs.items():
             setattr(root, name, value)
         _drop_dead_nodes(self.graph)
-        return codeless_module(root, self.graph) if codeless else fx.GraphModule(root, self.graph)
+        return codeless_module(root, self.graph) if codeless else graph_module(root, self.graph)
 
     @staticmethod
     def _annotate(node: fx.Node, val, source: fx.Node) -> fx.Node:

@@ -49,7 +49,7 @@ from torch.utils.flop_counter import flop_registry
 
 from hotswitch.distconfig import balanced_split
 
-from ._torch import OpOverload, detect_fake_mode, pytree, size_hint
+from ._torch import OpOverload, detect_fake_mode, graph_module, pytree, size_hint
 from .regions import block_of
 from .trace import (
     LogicGraph,
@@ -411,7 +411,7 @@ def split_forward_backward(gm: fx.GraphModule, num_seeds: int, forward_outputs: 
         env[n] = fwd_graph.node_copy(n, lambda a: env[a])
     fwd_graph.output(tuple([_arg(leaves[i], env) for i in forward_outputs] + [env[n] for n in saved]))
     fwd_graph.eliminate_dead_code()
-    fwd = fx.GraphModule(gm, fwd_graph)
+    fwd = graph_module(gm, fwd_graph)
 
     bwd_graph, benv = fx.Graph(), {}
     for n in saved:
@@ -425,7 +425,7 @@ def split_forward_backward(gm: fx.GraphModule, num_seeds: int, forward_outputs: 
             benv[n] = bwd_graph.node_copy(n, lambda a: benv[a])
     bwd_graph.output(tuple(_arg(leaves[i], benv) for i in backward_idx))
     bwd_graph.eliminate_dead_code()
-    bwd = fx.GraphModule(gm, bwd_graph)
+    bwd = graph_module(gm, bwd_graph)
     return fwd, bwd, len(saved)
 
 

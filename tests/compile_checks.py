@@ -205,7 +205,8 @@ def fitted_equals_replayed(kind: str, config, seqs=(SEQ, 16), later=(20, 18)) ->
 def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]:
     """Compile `configs` (one trace) with every program built twice: by `compiler.lower.lower` and by
     the make_fx interpreter of `tests.reference_lowering`. The first difference per program (None:
-    the same graph), in the order the programs were lowered."""
+    the same graph, and the code fx writes for it: `compiler._torch.python_code` wrote it), in the
+    order the programs were lowered."""
     import hotswitch.compiler.program as program
     from hotswitch.compiler.attention import fuse_attention
     from hotswitch.compiler.lower import (
@@ -235,7 +236,10 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
             hand_off_early(expected.graph)
         wait_where_read(expected.graph)
         expected.recompile()
-        found.append(same_program(gm, expected))
+        by_fx = torch.fx.Graph.python_code(gm.graph, "self")
+        fx_wrote = (gm.code, gm._lineno_map, gm._prologue_start) == \
+            (by_fx.src, by_fx._lineno_map, by_fx._prologue_start)
+        found.append(same_program(gm, expected) or (None if fx_wrote else "its code is not the code fx writes"))
         return gm
 
     os.environ["HOTSWITCH_CACHE"] = "0"  # every program lowered here, none loaded

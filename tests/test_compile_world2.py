@@ -163,6 +163,7 @@ def check_a_warm_cache_replays_decisions():
     import os
     import tempfile
 
+    import hotswitch.compiler._torch as fx_wrapper
     from hotswitch.compiler._torch import graph_built
     from hotswitch.compiler.lower import collectives
     from hotswitch.runtime import shared
@@ -171,17 +172,23 @@ def check_a_warm_cache_replays_decisions():
     model, inputs = make_model("gpt"), batch()
     config = hs.DistConfig("tp2sp", tp=2, sp=True)
     out = []
-    written = []  # the graphs fx writes code for (a loaded graph runs the code its entry holds)
-    write = torch.fx.Graph.python_code
+    written = []  # the graphs fx (or our writer of fx's code) writes code for (a loaded graph runs its entry's)
+    write, write_as_fx = torch.fx.Graph.python_code, fx_wrapper.python_code
 
     def writing(graph, *args, **kwargs):
         written.append(len(graph.nodes))
         return write(graph, *args, **kwargs)
 
+    def writing_as_fx(graph, *args, **kwargs):
+        written.append(len(graph.nodes))
+        with mock.patch.object(torch.fx.Graph, "python_code", write):  # (its fallback: one graph written)
+            return write_as_fx(graph, *args, **kwargs)
+
     for _ in range(2):
         shared._LOADED.clear()  # as in another process: no LogicGraph in memory, only on disk
         written.clear()
-        with mock.patch.object(torch.fx.Graph, "python_code", writing):
+        with mock.patch.object(torch.fx.Graph, "python_code", writing), \
+                mock.patch.object(fx_wrapper, "python_code", writing_as_fx):
             cm = hs.compile(model, inputs, [config])
             gm = cm.exec_graph("tp2sp")
         codes_written = len(written)
