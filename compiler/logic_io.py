@@ -65,6 +65,9 @@ _SKIPPED_META = ("val", "tensor_meta", "from_node", "original_aten", "eager_inpu
 class _Ref:
     name: str  # an argument that is another node
 
+    def __reduce__(self):  # (a call, not a dataclass's state dict: a program's entry has thousands)
+        return _Ref, (self.name,)
+
 
 @dataclass(frozen=True)
 class _MemoryFormat:
@@ -91,6 +94,9 @@ class _Tensor:
     device: str
     requires_grad: bool
 
+    def __reduce__(self):
+        return _Tensor, (self.sizes, self.strides, self.offset, self.dtype, self.device, self.requires_grad)
+
 
 @dataclass(frozen=True)
 class _SymInt:
@@ -102,6 +108,8 @@ class _Encoder:
     def __init__(self):
         self.idents: dict[int, int] = {}  # id(SymNode) -> ident
         self.alive: list = []  # the SymNodes numbered (kept alive while encoding, so ids stay unique)
+        # a program's values alike in layout, one description: pickle writes it once, then refers to it
+        self.layouts: dict[tuple, _Tensor] = {}
 
     def size(self, size):
         if not isinstance(size, torch.SymInt):
@@ -113,6 +121,13 @@ class _Encoder:
         return _SymInt(node.expr, self.idents[id(node)])
 
     def val(self, v):
+        if type(v) is torch.Tensor and v.device.type == "meta":  # a program's value: its sizes are ints
+            key = (v.shape, v.stride(), v.storage_offset(), v.dtype, v.requires_grad)
+            found = self.layouts.get(key)
+            if found is None:
+                found = self.layouts[key] = _Tensor(tuple(v.shape), v.stride(), v.storage_offset(), v.dtype, "meta",
+                                                    v.requires_grad)
+            return found
         if isinstance(v, torch.Tensor):
             return _Tensor(tuple(map(self.size, v.shape)), tuple(map(self.size, v.stride())),
                            self.size(v.storage_offset()), v.dtype, str(v.device), v.requires_grad)
@@ -169,12 +184,18 @@ def _decode_code(code: WrittenCode | None) -> WrittenCode | None:
 
 
 def _encode_graph(gm: fx.GraphModule, encoder: _Encoder) -> tuple[list, dict, object, WrittenCode | None]:
-    nodes, attrs = [], {}
+    nodes, attrs, refs = [], {}, {}
+
+    def encoded(a):  # (one _Ref per node: pickle writes it once, then refers to it)
+        if isinstance(a, fx.Node):
+            ref = refs.get(a)
+            if ref is None:
+                ref = refs[a] = _Ref(a.name)
+            return ref
+        return _MemoryFormat(str(a).removeprefix("torch.")) if isinstance(a, torch.memory_format) else a
+
     for n in gm.graph.nodes:
-        args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: _Ref(a.name))
-        args, kwargs = map_args(
-            lambda a: _MemoryFormat(str(a).removeprefix("torch.")) if isinstance(a, torch.memory_format) else a,
-            (args, kwargs))
+        args, kwargs = fx.node.map_aggregate((n.args, n.kwargs), encoded)
         target = OpName.of(n.target)
         if n.op == "get_attr":
             attrs[n.target] = getattr(gm, n.target)
