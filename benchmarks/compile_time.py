@@ -1,7 +1,7 @@
 """Compile time against depth and against the number of sequence lengths, cold and warm cache.
 
     python benchmarks/compile_time.py [--layers 2,8] [--lengths 1,4] [--configs dp2tp2,tp4sp]
-                                      [--world-size 4] [--dynamic] [--json PATH]
+                                      [--world-size 4] [--dynamic] [--repeat N] [--json PATH]
 
 The model is a Hugging Face Llama (hidden 256, 8 heads, intermediate 512, random weights) with
 `--layers` layers, trained on packed rows (`PackedCausalLMLoss`: input ids, positions, labels) of
@@ -15,6 +15,8 @@ run left (warm: decisions replayed from disk). For scale, rank 0 also times `tor
 same model alone. `--dynamic` adds a third run per depth, cold, compiled with `dynamic=True`: each
 config is lowered at 64 and (its decisions replayed) at 32 and fitted while compiling, so every
 further length is written from the fit; its "first" column is that whole compile of the config.
+`--repeat N` runs each depth cold N times (a fresh cache each) and reports each figure's median: on
+4 processes sharing 2 cores one run's slowest rank moves the depth ratio by 0.3 from run to run.
 Times are the slowest rank's. Of each new length's time it also prints what that rank's garbage
 collector took (`gc.callbacks`): the full collections the objects of earlier lowerings set off land
 in whichever length comes next.
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -120,6 +123,18 @@ def _collected(row: dict, configs: list[str]) -> str:
         f"{c} {sum(row['new_length_gc_s'][c]):.2f} of {sum(row['new_length_s'][c]):.2f}" for c in configs)
 
 
+def _median(rows: list[dict]):
+    """One row of `rows` (runs of one measurement) holding each figure's median across them."""
+    first = rows[0]
+    if isinstance(first, dict):
+        return {k: _median([r[k] for r in rows]) for k in first}
+    if isinstance(first, list):
+        return [_median(list(xs)) for xs in zip(*rows)]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(rows)
+    return first  # (the same in every run: the depth, the cache's label)
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -146,23 +161,30 @@ def main(argv=None) -> int:
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--dynamic", action="store_true",
                    help="also compile with dynamic=True (fitted in the length while compiling), cold")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="cold runs per depth (default 1); the table and ratios take each figure's median")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     from hotswitch.distributed.launch import launch
 
     configs = args.configs.split(",")
     lengths = max(int(n) for n in args.lengths.split(","))
-    rows = []
+    if args.repeat < 1:
+        p.error("--repeat must be at least 1")
+    rows, runs = [], {}  # runs: depth -> its cold runs, each as measured
     for layers in (int(x) for x in args.layers.split(",")):
-        cache = tempfile.mkdtemp(prefix="hotswitch-bench-cache-")
-        os.environ["HOTSWITCH_CACHE_DIR"] = cache
-        for label in ("cold", "warm") + (("cold, dynamic",) if args.dynamic else ()):
-            if label == "cold, dynamic":
+        for label in ("cold",) * args.repeat + ("warm",) + (("cold, dynamic",) if args.dynamic else ()):
+            if label != "warm":  # (warm: the last cold run's cache)
                 os.environ["HOTSWITCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="hotswitch-bench-cache-")
             print(f"{layers} layers, {label} cache ...", flush=True)
             row = launch(measure, args.world_size, layers, tuple(configs), lengths,
                          True if label == "cold, dynamic" else None)
             row["cache"] = label
+            if label == "cold":
+                runs.setdefault(layers, []).append(row)
+                if len(runs[layers]) < args.repeat:
+                    continue
+                row = _median(runs[layers])
             rows.append(row)
     render(rows, configs)
     cold = {r["layers"]: r for r in rows if r["cache"] == "cold"}
@@ -190,13 +212,19 @@ def main(argv=None) -> int:
     depths = sorted(cold)
     if len(depths) > 1:
         a, b = cold[depths[0]], cold[depths[-1]]
+        each = ""
+        if args.repeat > 1:  # run i at one depth against run i at the other
+            each = "; run by run " + ", ".join(
+                f"{c} " + " ".join(f"{y['first_lowering_s'][c] / x['first_lowering_s'][c]:.2f}"
+                                   for x, y in zip(runs[depths[0]], runs[depths[-1]])) for c in configs)
         print(f"lowering at {depths[-1]} layers / at {depths[0]} layers: "
-              + ", ".join(f"{c} {b['first_lowering_s'][c] / a['first_lowering_s'][c]:.2f}" for c in configs))
+              + ", ".join(f"{c} {b['first_lowering_s'][c] / a['first_lowering_s'][c]:.2f}" for c in configs)
+              + (f" (medians of {args.repeat} cold runs{each})" if args.repeat > 1 else ""))
     if args.json:
         import torch
 
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "torch": torch.__version__, "cpus": os.cpu_count(),
+            json.dump({"rows": rows, "cold_runs": runs, "torch": torch.__version__, "cpus": os.cpu_count(),
                        "python": platform.python_version()}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
