@@ -320,9 +320,8 @@ def python_code(graph, root_module: str = "self", **options):
     """`graph.python_code(root_module)`: fx's code for `graph`, the same source, globals and line
     map, written 2.6x faster (an ExecGraph's nodes cost fx 12 us each, most of it bookkeeping: each
     node's repr function swapped in and out, its name looked up at each use; 8-layer tp4sp program,
-    2,724 nodes: 34 -> 13 ms). For
-    graphs of placeholders, function calls, attributes and an output, with plain arguments; any
-    other (or other `options`, a verbose printout's, say) fx writes."""
+    2,724 nodes: 34 -> 13 ms). For graphs of placeholders, function calls, attributes and an output,
+    with plain arguments; any other (or other `options`, a verbose printout's, say) fx writes."""
     from torch.fx.graph import (
         CodeGen,
         PythonCode,

@@ -106,6 +106,16 @@ class StageProgram:
     fitted: tuple[int, int] | None = None  # not lowered: written from the programs at these two lengths (`program_at`)
     cache_key: str | None = None  # where the compile cache keeps it (None: nowhere): what its length fit is filed under
 
+    def with_passes(self, gm: fx.GraphModule) -> StageProgram:
+        """This program with `gm` (a program of its stage and shapes) as its joint program, and as its
+        forward and backward: cut apart for a training stage that receives gradients (not the last),
+        else `gm` and None (`stages.split_forward_backward`)."""
+        forward, backward = gm, None
+        if self.train and self.recv_grads:
+            forward, backward, _ = split_forward_backward(gm, len(self.recv_grads),
+                                                          tuple(range(self.n_acts_out + self.n_losses)))
+        return replace(self, joint=gm, forward=forward, backward=backward)
+
 
 def _concrete(size, values: dict) -> int:
     if isinstance(size, torch.SymInt):
@@ -377,16 +387,16 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                             "local_shapes": tuple(local_shapes), "kernels": kernels}
     recv_acts = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i:n_p + n_b + n_i + n_acts_in]]
     recv_grads = [(tuple(t.shape), t.dtype) for t in local[n_p + n_b + n_i + n_acts_in:]]
-    forward, backward = gm, None
-    if cut and not sample:
-        forward, backward, _ = split_forward_backward(gm, len(recv_grads), tuple(range(n_out + n_losses)))
-    return StageProgram(
-        joint=gm, forward=forward, backward=backward, train=train, is_last=is_last, n_acts_out=n_out,
+    program = StageProgram(
+        joint=gm, forward=gm, backward=None, train=train, is_last=is_last, n_acts_out=n_out,
         n_losses=n_losses, n_params=n_p, send_grads=tuple(dtype.is_floating_point for _, dtype in recv_acts),
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=deferred_specs,
-        param_specs=specs[:n_p], seconds=time.perf_counter() - t0, propagate_seconds=propagate_seconds,
+        param_specs=specs[:n_p], propagate_seconds=propagate_seconds,
         decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded,
         mixes_rows=mixed, replayed_all=replayed_all, cache_key=stored)
+    if not sample:  # (a sample's passes are cut when it is `completed`)
+        program = program.with_passes(gm)
+    return replace(program, seconds=time.perf_counter() - t0)
 
 
 def completed(sample: StageProgram) -> StageProgram:
@@ -395,12 +405,7 @@ def completed(sample: StageProgram) -> StageProgram:
     Not filed in the compile cache (a sample never is)."""
     t0 = time.perf_counter()
     gm = sample.joint if sample.loaded else with_code(sample.joint)  # (one loaded from the cache has its code)
-    forward, backward = gm, None
-    if sample.train and sample.recv_grads:  # not the last stage: what lower_program cuts
-        forward, backward, _ = split_forward_backward(gm, len(sample.recv_grads),
-                                                      tuple(range(sample.n_acts_out + sample.n_losses)))
-    return replace(sample, joint=gm, forward=forward, backward=backward,
-                   seconds=sample.seconds + time.perf_counter() - t0)
+    return replace(sample.with_passes(gm), seconds=sample.seconds + time.perf_counter() - t0)
 
 
 def fit_programs(logic: LogicGraph, first: StageProgram, length_a: int, second: StageProgram,
@@ -472,11 +477,7 @@ def program_at(fitted: LengthFit, like: StageProgram, length: int, local_shapes:
     received = fitted.placeholder_values(length)
     received = received[len(received) - len(like.recv_acts) - len(like.recv_grads):]
     received = [(tuple(v.shape), v.dtype) for v in received]
-    forward, backward = gm, None
-    if like.backward is not None:
-        forward, backward, _ = split_forward_backward(gm, len(like.recv_grads),
-                                                      tuple(range(like.n_acts_out + like.n_losses)))
-    return replace(like, joint=gm, forward=forward, backward=backward, recv_acts=received[:len(like.recv_acts)],
+    return replace(like.with_passes(gm), recv_acts=received[:len(like.recv_acts)],
                    recv_grads=received[len(like.recv_acts):], seconds=time.perf_counter() - t0,
                    propagate_seconds=0.0, replayed=0, loaded=False, replayed_all=False, fitted=fitted.lengths,
                    cache_key=None)
