@@ -21,6 +21,10 @@ Refused (`CannotFit`, with the reason) when:
 - the two graphs differ other than in integers (an uneven length adds ops, say), or a float or a
   constant tensor differs (DTensor's uneven gathers read index tensors built for one length), or a
   sentinel differs (a -1 against a number, an end of 2**63 - 1);
+- an integer that is not a size differs: a dim, a collective's group size, a getitem's index into
+  an op's outputs (`_leaf_kinds`). Only a getitem that takes one of equal pieces all holding the
+  same values may differ, as between the programs of two data-parallel ranks (`_same_pieces`):
+  the first's is kept;
 - at the new length an integer is not whole, or a size is negative: the affine functions carry the
   divisibility the sharding needs (a local length L/4 refuses L = 18, which DTensor splits unevenly);
 - at the new length a view's input and output would hold different numbers of elements: how an
@@ -47,6 +51,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import marshal
+import operator
 import re
 import types
 import weakref
@@ -70,12 +75,14 @@ from ._torch import (
     module_with_code,
     module_with_lazy_graph,
     op_of,
+    op_schema,
     pytree,
     renamed_strings,
     written_code,
 )
 from .attention import kernels_hold
 from .tp_rules import RESHAPE_OPS, SIZED_VIEW_OPS
+from .uniform import uniform_dims
 
 __all__ = ["CannotFit", "LengthFit", "affine_in_length", "fit", "resolved_arguments"]
 
@@ -150,6 +157,94 @@ def _pair_leaves(a, b, out: list) -> bool:
         return False
     out.append((a, b))
     return True
+
+
+def _leaf_kinds(node: fx.Node, arguments) -> list[tuple[bool, str]]:
+    """Per leaf of `arguments` (`node`'s resolved (args, kwargs), in the order `_pair_leaves` visits
+    them): may it move with the length, and what it is (for the error). An aten op's sizes may (its
+    schema's SymInt arguments: a view's size, a split's size, a slice's ends) and so may its values
+    (a Scalar: an arange's end, a count); its plain `int` arguments are the program's structure (a
+    dim, a collective's group size), as are a getitem's index into an op's outputs and every integer
+    handed to a Python function. Two programs differing there are two programs, not one in L."""
+    kinds: list[tuple[bool, str]] = []
+
+    def walk(value, kind: tuple[bool, str]) -> None:
+        if isinstance(value, (tuple, list)):
+            for x in value:
+                walk(x, kind)
+        elif isinstance(value, dict):
+            for x in value.values():
+                walk(x, kind)
+        elif isinstance(value, slice):
+            for x in (value.start, value.stop, value.step):
+                walk(x, kind)
+        else:
+            kinds.append(kind)
+
+    args, kwargs = arguments
+    target = node.target
+    if isinstance(target, OpOverload):
+        schema = {a.name: a for a in op_schema(target).arguments}
+        named = list(schema.values())
+        for i, value in enumerate(args):
+            walk(value, _schema_kind(named[i]) if i < len(named) else (False, f"argument {i}"))
+        for name, value in kwargs.items():
+            walk(value, _schema_kind(schema[name]) if name in schema else (False, name))
+    else:
+        values = getattr(target, "__module__", None) == "_operator" and target is not operator.getitem
+        what = "index into its input's outputs" if target is operator.getitem else "integer argument"
+        walk((args, kwargs), (values, what))
+    return kinds
+
+
+def _schema_kind(argument) -> tuple[bool, str]:
+    t = argument.real_type
+    while isinstance(t, (torch.OptionalType, torch.ListType)):
+        t = t.getElementType()
+    return isinstance(t, (torch.SymIntType, torch.NumberType, torch.FloatType)), f"{argument.name} ({t})"
+
+
+# ops whose outputs are pieces of their first input along a dim (a rank's own chunk is one of them)
+_PIECES = {torch.ops.aten.split.Tensor: 2, torch.ops.aten.unbind.int: 1}
+
+
+def _same_pieces(getitem: fx.Node) -> bool:
+    """Does `getitem` take one of equal pieces of a value whose every piece holds the same values
+    (`uniform.uniform_dims`: an even chunk of a fresh tensor, a dp rank's rows of HF Llama's mask)?
+    Then which piece it takes does not matter: programs lowered on two data-parallel ranks (a
+    program every dp rank shares, and a sample from another of them) take different ones."""
+    pieces = getitem.args[0]
+    if not isinstance(pieces, fx.Node) or pieces.target not in _PIECES:
+        return False
+    whole = pieces.args[0]
+    at = _PIECES[pieces.target]
+    dim = pieces.args[at] if len(pieces.args) > at else pieces.kwargs.get("dim", 0)
+    val = whole.meta.get("val")
+    if not isinstance(val, torch.Tensor) or type(dim) is not int:
+        return False
+    dim %= val.dim()
+    even = pieces.target is torch.ops.aten.unbind.int or val.shape[dim] % pieces.args[1] == 0
+    return even and dim in uniform_dims(getitem.graph).get(whole, ())
+
+
+def _structure_kept(a: fx.Node, b: fx.Node, leaves: list, pairs: list, where: str, la: int, lb: int) -> tuple:
+    """`a`'s fitted leaves, where an integer that is structure, not a size (`_leaf_kinds`), differs
+    between the programs: the first's, where it picks one of pieces that all hold the same values
+    (`_same_pieces`, in both programs), else CannotFit."""
+    kinds = _leaf_kinds(a, resolved_arguments(a))
+    if len(kinds) != len(leaves):
+        raise CannotFit(f"{where}: its arguments could not be read against its schema")
+    out = list(leaves)
+    for i, ((may_vary, what), leaf) in enumerate(zip(kinds, leaves)):
+        if may_vary or not isinstance(leaf, Affine):
+            continue
+        x, y = pairs[i]
+        if a.target is operator.getitem and _same_pieces(a) and _same_pieces(b):
+            out[i] = x
+            continue
+        raise CannotFit(f"{where}: its {what} is {x} at length {la} but {y} at length {lb}: not a size, "
+                        "so the two programs differ in what they compute, not in a length")
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -614,7 +709,9 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
             varies |= isinstance(leaf, Affine)
             leaves.append(leaf)
         if varies:
-            args[a] = tuple(leaves)
+            leaves = _structure_kept(a, b, leaves, pairs, where, length_a, length_b)
+            if any(isinstance(x, Affine) for x in leaves):
+                args[a] = leaves
         try:
             val = _fit_val(a.meta.get("val"), b.meta.get("val"), length_a, length_b, where, alike)
         except _NotDense:

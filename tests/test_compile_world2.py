@@ -454,6 +454,42 @@ def check_a_second_length_that_does_not_fit():
     return out
 
 
+def check_a_dp_family_fits_the_sample_of_either_dp_rank():
+    """Data-parallel ranks share one program where it reads nothing of their dp coordinate, and one
+    of them samples the second length for the fit of all (whichever gets there first). A rank's own
+    piece of a value whose pieces all hold the same values (the loss's gradient seed, made whole and
+    cut into rows) is taken by index, and the index is the lowering rank's: a program lowered on the
+    other dp rank takes the other piece. Fitted with either rank's sample, the shared first program
+    gives the same program at a third length (an index is never fitted as if it were a size)."""
+    import os
+
+    import torch.distributed as dist
+
+    from hotswitch.compiler.lengths import fit
+    from hotswitch.compiler.logic_io import dumps_program, loads_program
+    from hotswitch.compiler.program import _group_names
+    from tests.reference_lowering import same_program
+
+    config = hs.DistConfig("dp2", dp=2)
+    os.environ["HOTSWITCH_CACHE"] = "0"  # shared between the ranks, not on disk
+    try:
+        cm = hs.compile(make_model("gpt"), batch(batch=4), configs=[config])
+    finally:
+        del os.environ["HOTSWITCH_CACHE"]
+    st = cm._state(config.name)
+    first = cm.exec_graph(config.name, (tuple(batch(batch=4)[0].shape),) * 2)
+    (key,) = [k for k, p in st.programs.items() if p.joint is first]
+    at = lambda length: (tuple((s[0], length, *s[2:]) for s in key[0]), *key[1:])  # noqa: E731
+    sample = cm._lower(st, at(16), sample=True).joint  # this rank's own, lowered here
+    groups = _group_names(st.mesh)
+    samples = [None] * dist.get_world_size()
+    dist.all_gather_object(samples, dumps_program(sample, {g: i for i, g in enumerate(groups)}))
+    samples = [loads_program(data, groups) for data in samples]
+    fitted = [fit(first, key[0][0][1], s, 16).at(20) for s in samples]
+    return {"samples_differ": same_program(*samples) is not None,
+            "fitted_differ": same_program(*fitted, portable=True)}
+
+
 def check_dynamic_pipeline_stages():
     """pp2, each stage on a device of its own (nothing to shard, so no decision to replay): with
     `dynamic=True` each stage's micro-batch programs are fitted in the length while compiling, and
@@ -496,6 +532,7 @@ results = dist_fixture(2, [check_second_pass_reuses_unchanged_decisions, check_l
                            check_learned_positions_with_a_tied_embedding,
                            check_a_warm_cache_replays_decisions, check_a_warm_cache_fits_later_lengths,
                            check_dynamic_lengths, check_dynamic_pipeline_stages,
+                           check_a_dp_family_fits_the_sample_of_either_dp_rank,
                            check_a_second_length_that_does_not_fit,
                            check_gradient_buckets_reduce_behind_the_backward,
                            check_waits_sit_where_results_are_read, check_wrong_device_count,
@@ -671,6 +708,12 @@ def test_a_second_length_that_does_not_fit_is_its_sample_completed_and_the_next_
         assert len(r["said"]) == 2 and all("13" in m for m in r["said"]), r["said"]
         assert r["odd_lowerings"] == [1] * 4, r["odd_lowerings"]  # a sample completed, or a lowering: one each
         assert r["odd_unfit"] == [13, 15, 17] and r["odd_refused"], (r["odd_unfit"], r["odd_refused"])
+
+
+def test_a_dp_family_fits_the_sample_of_either_dp_rank(results):
+    for out in results["check_a_dp_family_fits_the_sample_of_either_dp_rank"].raise_if_failed():
+        assert out["samples_differ"]  # the two dp ranks' samples take other pieces: the case is here
+        assert out["fitted_differ"] is None
 
 
 def test_dynamic_pipeline_stages_are_fitted(results):

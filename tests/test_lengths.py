@@ -1,6 +1,7 @@
 """compiler.lengths: programs at new sequence lengths written from the fit of two (one process)."""
 
 import marshal
+import operator
 from unittest import mock
 
 import pytest
@@ -31,8 +32,14 @@ def _merging(x):
     return scores.view(-1).cumsum(0).view(x.shape[0] * x.shape[0])
 
 
-def _programs(fn, lengths, shape=lambda n: (4, n, H)):
-    return [make_fx(fn)(torch.randn(shape(n))) for n in lengths]
+def _programs(fn, lengths, shape=lambda n: (4, n, H), pieces_read_only: bool = False):
+    """make_fx's programs of `fn` at `lengths`; `pieces_read_only`: an op's outputs that nothing
+    reads dropped (make_fx takes every piece of a split; a lowered program keeps those it reads)."""
+    programs = [make_fx(fn)(torch.randn(shape(n))) for n in lengths]
+    for gm in programs if pieces_read_only else ():
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return programs
 
 
 def _written_from_the_template(fitted, length: int):
@@ -171,6 +178,39 @@ def test_programs_that_differ_beyond_integers_are_not_fitted():
     a, b = _programs(scaled, (8, 12))
     with pytest.raises(CannotFit, match="0.125"):
         fit(a, 8, b, 12)
+
+
+def test_an_integer_that_is_not_a_size_is_never_fitted():
+    """A dim, or a getitem's index into an op's outputs, that differs between the two lengths makes
+    them two programs: fitted as an affine function of the length it would pick another dim, or
+    another piece (or one past the last), at a third length."""
+    def summed(x):
+        return x.sum(2 if x.shape[1] == 8 else 1)  # [4, 8] at both lengths: only the dim differs
+    a, b = _programs(summed, (8, 12))
+    with pytest.raises(CannotFit, match="dim .* is 2 at length 8 but 1 at length 12: not a size"):
+        fit(a, 8, b, 12)
+
+    def quarter(x):  # a quarter of the length: the first at 8, the second at 12
+        return x.split(x.shape[1] // 4, dim=1)[0 if x.shape[1] == 8 else 1] * 2
+    a, b = _programs(quarter, (8, 12), pieces_read_only=True)
+    with pytest.raises(CannotFit, match="index into its input's outputs is 0 at length 8 but 1 at length 12"):
+        fit(a, 8, b, 12)
+
+
+def test_a_piece_of_a_value_whose_pieces_are_alike_keeps_the_first_programs_index():
+    """Programs lowered on two data-parallel ranks take their own piece of a value every piece of
+    which holds the same values (ones, cut into rows): which piece does not matter, and the fit
+    keeps the first's at every length."""
+    def ones_piece(x):
+        ones = torch.ones(4, x.shape[1], H)
+        return x * ones.split(1, dim=0)[0 if x.shape[1] == 8 else 1]
+    a, b = _programs(ones_piece, (8, 12), pieces_read_only=True)
+    fitted = fit(a, 8, b, 12)
+    gm = fitted.at(20)
+    (piece,) = [n for n in gm.graph.nodes if n.target is operator.getitem]
+    assert piece.args[1] == 0
+    x = torch.randn(4, 20, H)
+    torch.testing.assert_close(gm(x), ones_piece(x))
 
 
 def test_affine_in_length_reads_the_logic_graphs_symbolic_sizes():
