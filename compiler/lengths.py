@@ -163,9 +163,10 @@ def _leaf_kinds(node: fx.Node, arguments) -> list[tuple[bool, str]]:
     """Per leaf of `arguments` (`node`'s resolved (args, kwargs), in the order `_pair_leaves` visits
     them): may it move with the length, and what it is (for the error). An aten op's sizes may (its
     schema's SymInt arguments: a view's size, a split's size, a slice's ends) and so may its values
-    (a Scalar: an arange's end, a count); its plain `int` arguments are the program's structure (a
-    dim, a collective's group size), as are a getitem's index into an op's outputs and every integer
-    handed to a Python function. Two programs differing there are two programs, not one in L."""
+    (a Scalar: an arange's end, a count; a number added to a tensor); its plain `int` arguments are
+    the program's structure (a dim, a collective's group size), as are a getitem's index into an
+    op's outputs and every integer handed to a Python function. Two programs differing there are
+    two programs, not one in L."""
     kinds: list[tuple[bool, str]] = []
 
     def walk(value, kind: tuple[bool, str]) -> None:
@@ -198,10 +199,12 @@ def _leaf_kinds(node: fx.Node, arguments) -> list[tuple[bool, str]]:
 
 
 def _schema_kind(argument) -> tuple[bool, str]:
+    """An integer given for an `int` (a dim, an index, a group size) is structure; for a SymInt, a
+    Scalar or a Tensor (a number added to a tensor) it is a size or a value."""
     t = argument.real_type
     while isinstance(t, (torch.OptionalType, torch.ListType)):
         t = t.getElementType()
-    return isinstance(t, (torch.SymIntType, torch.NumberType, torch.FloatType)), f"{argument.name} ({t})"
+    return not isinstance(t, torch.IntType), f"{argument.name} ({t})"
 
 
 # ops whose outputs are pieces of their first input along a dim (a rank's own chunk is one of them)

@@ -190,6 +190,12 @@ def test_an_integer_that_is_not_a_size_is_never_fitted():
     with pytest.raises(CannotFit, match="dim .* is 2 at length 8 but 1 at length 12: not a size"):
         fit(a, 8, b, 12)
 
+    def shifted(x):  # a number the length moves, where the op takes a tensor (aten.add.Tensor's other)
+        return x + x.shape[1]
+    a, b = _programs(shifted, (8, 12))
+    x = torch.randn(4, 20, H)
+    torch.testing.assert_close(fit(a, 8, b, 12).at(20)(x), shifted(x))
+
     def quarter(x):  # a quarter of the length: the first at 8, the second at 12
         return x.split(x.shape[1] // 4, dim=1)[0 if x.shape[1] == 8 else 1] * 2
     a, b = _programs(quarter, (8, 12), pieces_read_only=True)
