@@ -185,17 +185,24 @@ def _leaf_kinds(node: fx.Node, arguments) -> list[tuple[bool, str]]:
     args, kwargs = arguments
     target = node.target
     if isinstance(target, OpOverload):
-        schema = {a.name: a for a in op_schema(target).arguments}
-        named = list(schema.values())
+        positional, named = _schema_kinds(target)
         for i, value in enumerate(args):
-            walk(value, _schema_kind(named[i]) if i < len(named) else (False, f"argument {i}"))
+            walk(value, positional[i] if i < len(positional) else (False, f"argument {i}"))
         for name, value in kwargs.items():
-            walk(value, _schema_kind(schema[name]) if name in schema else (False, name))
+            walk(value, named.get(name, (False, name)))
     else:
         values = getattr(target, "__module__", None) == "_operator" and target is not operator.getitem
         what = "index into its input's outputs" if target is operator.getitem else "integer argument"
         walk((args, kwargs), (values, what))
     return kinds
+
+
+@functools.lru_cache(maxsize=None)
+def _schema_kinds(target: OpOverload) -> tuple[tuple, dict]:
+    """`_schema_kind` of each of the op's arguments, by position and by name."""
+    arguments = op_schema(target).arguments
+    kinds = tuple(_schema_kind(a) for a in arguments)
+    return kinds, {a.name: k for a, k in zip(arguments, kinds)}
 
 
 def _schema_kind(argument) -> tuple[bool, str]:
@@ -230,11 +237,12 @@ def _same_pieces(getitem: fx.Node) -> bool:
     return even and dim in uniform_dims(getitem.graph).get(whole, ())
 
 
-def _structure_kept(a: fx.Node, b: fx.Node, leaves: list, pairs: list, where: str, la: int, lb: int) -> tuple:
-    """`a`'s fitted leaves, where an integer that is structure, not a size (`_leaf_kinds`), differs
-    between the programs: the first's, where it picks one of pieces that all hold the same values
-    (`_same_pieces`, in both programs), else CannotFit."""
-    kinds = _leaf_kinds(a, resolved_arguments(a))
+def _structure_kept(a: fx.Node, b: fx.Node, arguments, leaves: list, pairs: list, where: str, la: int,
+                    lb: int) -> tuple:
+    """`a`'s fitted leaves (of its resolved `arguments`), where an integer that is structure, not a
+    size (`_leaf_kinds`), differs between the programs: the first's, where it picks one of pieces
+    that all hold the same values (`_same_pieces`, in both programs), else CannotFit."""
+    kinds = _leaf_kinds(a, arguments)
     if len(kinds) != len(leaves):
         raise CannotFit(f"{where}: its arguments could not be read against its schema")
     out = list(leaves)
@@ -698,8 +706,8 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
             if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
                     and x.dtype == y.dtype and torch.equal(x, y)):
                 raise CannotFit(f"the constant {a.target} differs between the lengths")
-        pairs = []
-        if not _pair_leaves(resolved_arguments(a), resolved_arguments(b), pairs):
+        pairs, arguments = [], resolved_arguments(a)
+        if not _pair_leaves(arguments, resolved_arguments(b), pairs):
             raise CannotFit(f"{where} takes other arguments at length {length_b}")
         leaves, varies = [], False
         for x, y in pairs:
@@ -712,7 +720,7 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
             varies |= isinstance(leaf, Affine)
             leaves.append(leaf)
         if varies:
-            leaves = _structure_kept(a, b, leaves, pairs, where, length_a, length_b)
+            leaves = _structure_kept(a, b, arguments, leaves, pairs, where, length_a, length_b)
             if any(isinstance(x, Affine) for x in leaves):
                 args[a] = leaves
         try:
