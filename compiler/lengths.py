@@ -25,6 +25,8 @@ Refused (`CannotFit`, with the reason) when:
   an op's outputs (`_leaf_kinds`). Only a getitem that takes one of equal pieces all holding the
   same values may differ, as between the programs of two data-parallel ranks (`_same_pieces`):
   the first's is kept;
+- a split's pieces move with the length while the split is uneven at either length: their number,
+  ceil(size / split size), stays the same at every length only where the two are proportional;
 - at the new length an integer is not whole, or a size is negative: the affine functions carry the
   divisibility the sharding needs (a local length L/4 refuses L = 18, which DTensor splits unevenly);
 - at the new length a view's input and output would hold different numbers of elements: how an
@@ -235,6 +237,20 @@ def _same_pieces(getitem: fx.Node) -> bool:
     dim %= val.dim()
     even = pieces.target is torch.ops.aten.unbind.int or val.shape[dim] % pieces.args[1] == 0
     return even and dim in uniform_dims(getitem.graph).get(whole, ())
+
+
+def _pieces(node: fx.Node) -> list | None:
+    val = node.meta.get("val")
+    return [tuple(t.shape) for t in val] if isinstance(val, (tuple, list)) else None
+
+
+def _split_evenly(node: fx.Node) -> bool:
+    """Does `aten.split.Tensor` node `node` cut its input's dim into pieces of its split size exactly?"""
+    whole, size = node.args[0], node.args[1]
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+    val = whole.meta.get("val") if isinstance(whole, fx.Node) else None
+    return isinstance(val, torch.Tensor) and type(size) is int and size > 0 and type(dim) is int and \
+        val.shape[dim % val.dim()] % size == 0
 
 
 def _structure_kept(a: fx.Node, b: fx.Node, arguments, leaves: list, pairs: list, where: str, la: int,
@@ -723,6 +739,11 @@ def fit(first: fx.GraphModule, length_a: int, second: fx.GraphModule, length_b: 
             leaves = _structure_kept(a, b, arguments, leaves, pairs, where, length_a, length_b)
             if any(isinstance(x, Affine) for x in leaves):
                 args[a] = leaves
+        if a.target is torch.ops.aten.split.Tensor and _pieces(a) != _pieces(b) and \
+                not (_split_evenly(a) and _split_evenly(b)):
+            # ceil(size / split size) pieces: the same number at every length only where the two are
+            # affine alike, which an even split at both lengths proves
+            raise CannotFit(f"{where}: an uneven split whose pieces move with the length (their number may change)")
         try:
             val = _fit_val(a.meta.get("val"), b.meta.get("val"), length_a, length_b, where, alike)
         except _NotDense:

@@ -203,6 +203,19 @@ def test_an_integer_that_is_not_a_size_is_never_fitted():
         fit(a, 8, b, 12)
 
 
+def test_an_uneven_split_whose_pieces_move_is_not_fitted():
+    """Pieces of 3 of the length: 3 pieces at 8 (3, 3, 2) and at 9 (3, 3, 3), 5 at 13. Fitted, the
+    program at 13 would sum 3 pieces where there are 5 (the last one's size fitted as L - 6)."""
+    def sums(x):
+        return torch.stack([p.sum() for p in x.split(3, 1)])
+    a, b = _programs(sums, (8, 9))
+    with pytest.raises(CannotFit, match="uneven split"):
+        fit(a, 8, b, 9)
+    a, b = _programs(sums, (9, 12))  # pieces of 3 that both lengths divide: refused on their number
+    with pytest.raises(CannotFit, match="nodes at length"):
+        fit(a, 9, b, 12)
+
+
 def test_a_piece_of_a_value_whose_pieces_are_alike_keeps_the_first_programs_index():
     """Programs lowered on two data-parallel ranks take their own piece of a value every piece of
     which holds the same values (ones, cut into rows): which piece does not matter, and the fit
