@@ -234,9 +234,8 @@ def _same_pieces(getitem: fx.Node) -> bool:
     val = whole.meta.get("val")
     if not isinstance(val, torch.Tensor) or type(dim) is not int:
         return False
-    dim %= val.dim()
-    even = pieces.target is torch.ops.aten.unbind.int or val.shape[dim] % pieces.args[1] == 0
-    return even and dim in uniform_dims(getitem.graph).get(whole, ())
+    even = pieces.target is torch.ops.aten.unbind.int or _split_evenly(pieces)
+    return even and dim % val.dim() in uniform_dims(getitem.graph).get(whole, ())
 
 
 def _pieces(node: fx.Node) -> list | None:
