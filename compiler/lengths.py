@@ -169,33 +169,18 @@ def _leaf_kinds(node: fx.Node, arguments) -> list[tuple[bool, str]]:
     the program's structure (a dim, a collective's group size), as are a getitem's index into an
     op's outputs and every integer handed to a Python function. Two programs differing there are
     two programs, not one in L."""
-    kinds: list[tuple[bool, str]] = []
-
-    def walk(value, kind: tuple[bool, str]) -> None:
-        if isinstance(value, (tuple, list)):
-            for x in value:
-                walk(x, kind)
-        elif isinstance(value, dict):
-            for x in value.values():
-                walk(x, kind)
-        elif isinstance(value, slice):
-            for x in (value.start, value.stop, value.step):
-                walk(x, kind)
-        else:
-            kinds.append(kind)
-
     args, kwargs = arguments
     target = node.target
-    if isinstance(target, OpOverload):
-        positional, named = _schema_kinds(target)
-        for i, value in enumerate(args):
-            walk(value, positional[i] if i < len(positional) else (False, f"argument {i}"))
-        for name, value in kwargs.items():
-            walk(value, named.get(name, (False, name)))
-    else:
+    if not isinstance(target, OpOverload):
         values = getattr(target, "__module__", None) == "_operator" and target is not operator.getitem
         what = "index into its input's outputs" if target is operator.getitem else "integer argument"
-        walk((args, kwargs), (values, what))
+        return [(values, what)] * len(arg_leaves(arguments))
+    positional, named = _schema_kinds(target)
+    kinds: list[tuple[bool, str]] = []
+    for i, value in enumerate(args):
+        kinds += [positional[i] if i < len(positional) else (False, f"argument {i}")] * len(arg_leaves(value))
+    for name, value in kwargs.items():
+        kinds += [named.get(name, (False, name))] * len(arg_leaves(value))
     return kinds
 
 
@@ -226,16 +211,19 @@ def _same_pieces(getitem: fx.Node) -> bool:
     Then which piece it takes does not matter: programs lowered on two data-parallel ranks (a
     program every dp rank shares, and a sample from another of them) take different ones."""
     pieces = getitem.args[0]
-    if not isinstance(pieces, fx.Node) or pieces.target not in _PIECES:
-        return False
-    whole = pieces.args[0]
-    at = _PIECES[pieces.target]
+    dim = _cut_dim(pieces) if isinstance(pieces, fx.Node) else None
+    even = dim is not None and (pieces.target is torch.ops.aten.unbind.int or _split_evenly(pieces))
+    return even and dim in uniform_dims(getitem.graph).get(pieces.args[0], ())
+
+
+def _cut_dim(pieces: fx.Node) -> int | None:
+    """The dim (>= 0) a `_PIECES` op cuts its input along; None for another node."""
+    at = _PIECES.get(pieces.target)
+    if at is None:
+        return None
     dim = pieces.args[at] if len(pieces.args) > at else pieces.kwargs.get("dim", 0)
-    val = whole.meta.get("val")
-    if not isinstance(val, torch.Tensor) or type(dim) is not int:
-        return False
-    even = pieces.target is torch.ops.aten.unbind.int or _split_evenly(pieces)
-    return even and dim % val.dim() in uniform_dims(getitem.graph).get(whole, ())
+    val = pieces.args[0].meta.get("val") if isinstance(pieces.args[0], fx.Node) else None
+    return dim % val.dim() if isinstance(val, torch.Tensor) and type(dim) is int else None
 
 
 def _pieces(node: fx.Node) -> list | None:
@@ -245,11 +233,8 @@ def _pieces(node: fx.Node) -> list | None:
 
 def _split_evenly(node: fx.Node) -> bool:
     """Does `aten.split.Tensor` node `node` cut its input's dim into pieces of its split size exactly?"""
-    whole, size = node.args[0], node.args[1]
-    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
-    val = whole.meta.get("val") if isinstance(whole, fx.Node) else None
-    return isinstance(val, torch.Tensor) and type(size) is int and size > 0 and type(dim) is int and \
-        val.shape[dim % val.dim()] % size == 0
+    dim, size = _cut_dim(node), node.args[1]
+    return dim is not None and type(size) is int and size > 0 and node.args[0].meta["val"].shape[dim] % size == 0
 
 
 def _structure_kept(a: fx.Node, b: fx.Node, arguments, leaves: list, pairs: list, where: str, la: int,
