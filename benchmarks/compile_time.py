@@ -15,8 +15,9 @@ run left (warm: decisions replayed from disk). For scale, rank 0 also times `tor
 same model alone. `--dynamic` adds a third run per depth, cold, compiled with `dynamic=True`: each
 config is lowered at 64 and (its decisions replayed) at 32 and fitted while compiling, so every
 further length is written from the fit; its "first" column is that whole compile of the config.
-`--repeat N` runs each depth cold N times (a fresh cache each) and reports each figure's median: on
-4 processes sharing 2 cores one run's slowest rank moves the depth ratio by 0.3 from run to run.
+`--repeat N` runs each depth cold N times (a fresh cache each; the `--dynamic` run too) and reports
+each figure's median: on 4 processes sharing 2 cores one run's slowest rank moves the depth ratio by
+0.3 from run to run.
 Times are the slowest rank's. Of each new length's time it also prints what that rank's garbage
 collector took (`gc.callbacks`): the full collections the objects of earlier lowerings set off land
 in whichever length comes next.
@@ -171,20 +172,21 @@ def main(argv=None) -> int:
     lengths = max(int(n) for n in args.lengths.split(","))
     if args.repeat < 1:
         p.error("--repeat must be at least 1")
-    rows, runs = [], {}  # runs: depth -> its cold runs, each as measured
+    rows, runs = [], {}  # runs: "cold" or "cold, dynamic" -> depth -> its runs, each as measured
     for layers in (int(x) for x in args.layers.split(",")):
-        for label in ("cold",) * args.repeat + ("warm",) + (("cold, dynamic",) if args.dynamic else ()):
+        for label in ("cold",) * args.repeat + ("warm",) + (("cold, dynamic",) * args.repeat if args.dynamic else ()):
             if label != "warm":  # (warm: the last cold run's cache)
                 os.environ["HOTSWITCH_CACHE_DIR"] = tempfile.mkdtemp(prefix="hotswitch-bench-cache-")
             print(f"{layers} layers, {label} cache ...", flush=True)
             row = launch(measure, args.world_size, layers, tuple(configs), lengths,
                          True if label == "cold, dynamic" else None)
             row["cache"] = label
-            if label == "cold":
-                runs.setdefault(layers, []).append(row)
-                if len(runs[layers]) < args.repeat:
+            if label != "warm":
+                repeated = runs.setdefault(label, {}).setdefault(layers, [])
+                repeated.append(row)
+                if len(repeated) < args.repeat:
                     continue
-                row = _median(runs[layers])
+                row = _median(repeated)
             rows.append(row)
     render(rows, configs)
     cold = {r["layers"]: r for r in rows if r["cache"] == "cold"}
@@ -209,22 +211,26 @@ def main(argv=None) -> int:
                   + "; new length / first lowering "
                   + ", ".join(f"{c} {_mean(d['new_length_s'][c]) / r['first_lowering_s'][c]:.2f}" for c in configs))
             print(f"{layers} layers, dynamic=True: {_collected(d, configs)}")
-    depths = sorted(cold)
-    if len(depths) > 1:
-        a, b = cold[depths[0]], cold[depths[-1]]
+    depth_ratios = (("cold", cold, "lowering"), ("cold, dynamic", dynamic, "dynamic=True: compile of each config"))
+    for label, by_depth, what in depth_ratios:
+        depths = sorted(by_depth)
+        if len(depths) < 2:
+            continue
+        a, b = by_depth[depths[0]], by_depth[depths[-1]]
         each = ""
         if args.repeat > 1:  # run i at one depth against run i at the other
             each = "; run by run " + ", ".join(
                 f"{c} " + " ".join(f"{y['first_lowering_s'][c] / x['first_lowering_s'][c]:.2f}"
-                                   for x, y in zip(runs[depths[0]], runs[depths[-1]])) for c in configs)
-        print(f"lowering at {depths[-1]} layers / at {depths[0]} layers: "
+                                   for x, y in zip(runs[label][depths[0]], runs[label][depths[-1]])) for c in configs)
+        print(f"{what} at {depths[-1]} layers / at {depths[0]} layers: "
               + ", ".join(f"{c} {b['first_lowering_s'][c] / a['first_lowering_s'][c]:.2f}" for c in configs)
-              + (f" (medians of {args.repeat} cold runs{each})" if args.repeat > 1 else ""))
+              + (f" (medians of {args.repeat} {label} runs{each})" if args.repeat > 1 else ""))
     if args.json:
         import torch
 
         with open(args.json, "w") as f:
-            json.dump({"rows": rows, "cold_runs": runs, "torch": torch.__version__, "cpus": os.cpu_count(),
+            json.dump({"rows": rows, "cold_runs": runs.get("cold", {}), "dynamic_runs": runs.get("cold, dynamic", {}),
+                       "torch": torch.__version__, "cpus": os.cpu_count(),
                        "python": platform.python_version()}, f, indent=2)
         print(f"wrote {args.json}")
     return 0
