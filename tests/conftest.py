@@ -9,7 +9,8 @@
   and its codegen takes a third of the time (a 2-layer GPT's step graph: 25 s -> 16 s measured).
 - ``HOTSWITCH_CACHE_DIR``: a fresh directory per test session, so the suite starts with a cold
   compile cache (never the user's) and later modules reuse what earlier ones decided.
-- ``-n auto --dist loadfile`` (pytest-xdist, the README's command) runs one worker per core this
+- ``-n auto --dist loadfile`` (pytest-xdist; ``pyproject.toml``'s addopts, so plain ``pytest`` does it;
+  ``-n 0``: one process) runs one worker per core this
   process may use, at most 4, each test module on one worker, except that the modules whose tests
   run gloo processes through ``tests.distributed`` are one unit of work, run first and one after
   another (two runs at once on 2 cores cost 12% more CPU, measured) while the other workers take the

@@ -9,7 +9,7 @@ At the end the weights and both AdamW moments equal single-device AdamW on the s
 every global batch was committed once per step. Prints the faults injected and survived, and the
 time from each fault to the next committed step (median, worst).
 
-    python -m pytest -q -s -m soak tests/test_elastic_soak.py      # HOTSWITCH_SOAK_SEED=N for another schedule
+    python -m pytest -q -n 0 -s -m soak tests/test_elastic_soak.py      # HOTSWITCH_SOAK_SEED=N for another schedule
 """
 from __future__ import annotations
 
