@@ -1142,10 +1142,12 @@ class CompiledModel:
         if family.refused is None:
             self._report(f"{st.config.name}: fitted in the sequence length from lengths {length // 2} and {length}")
             return
-        # asked for and not given: said where it is seen without a progress callback too
+        # asked for and not given: said where it is seen without a progress callback too, by one rank
+        # where every rank refuses alike (an odd example length), by each that refused otherwise
         message = f"{st.config.name}: dynamic=True, but every sequence length is lowered ({family.refused})"
         self._report(message)
-        warnings.warn(f"hotswitch: {message}", stacklevel=2)
+        if not length % 2 or not dist.is_initialized() or dist.get_rank() == 0:
+            warnings.warn(f"hotswitch: {message}", stacklevel=2)
 
     def _pipelined(self, st: ConfigState, local_inputs, micro_batches, schedule, grad_scale: float, train: bool):
         """One step as micro-batches (and pipeline stages): see forward_backward and hotswitch.pipeline."""
