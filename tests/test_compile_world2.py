@@ -464,8 +464,6 @@ def check_a_dp_family_fits_the_sample_of_either_dp_rank():
     gives the same program at a third length (an index is never fitted as if it were a size)."""
     import os
 
-    import torch.distributed as dist
-
     from hotswitch.compiler.lengths import fit
     from hotswitch.compiler.logic_io import dumps_program, loads_program
     from hotswitch.compiler.program import _group_names
