@@ -193,6 +193,10 @@ def write_whole_lines() -> None:
                                             errors=stream.errors, line_buffering=True))
 
 
+# keys of a launch's own store: how many ranks are in the process group, and whether all are
+_JOINED, _ALL_JOINED = "hotswitch/joined", "hotswitch/all joined"
+
+
 def _worker(fn, args, rank, world_size, port, backend, timeout, results, environ) -> None:
     adopt_environ(environ)
     ok, payload, when = False, None, (False, 0.0)
@@ -209,6 +213,8 @@ def _worker(fn, args, rank, world_size, port, backend, timeout, results, environ
         if "nccl" in backend:  # before the group: NCCL binds to it
             torch.cuda.set_device(int(os.environ.get("HOTSWITCH_GPU", os.environ.get("LOCAL_RANK", "0"))))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
+        if store.add(_JOINED, 1) == world_size:
+            store.set(_ALL_JOINED, b"1")
         value = fn(rank, *args)
         payload = pickle.dumps(value) if rank == 0 else None
         ok = True
@@ -223,6 +229,10 @@ def _worker(fn, args, rank, world_size, port, backend, timeout, results, environ
     results.send((ok, payload, when))  # before leaving the group, whose teardown fails the peers
     results.close()
     if dist.is_initialized():
+        # a peer may still be inside init_process_group (gloo's handshakes) when this rank is done:
+        # tearing the group down then fails that peer ("Connection closed by peer"), so not before
+        # every rank is in (a peer that never gets in fails, and the launcher kills this process)
+        store.wait([_ALL_JOINED])
         dist.destroy_process_group()
     multiprocessing.util._run_finalizers(0)  # what exit would run: unregister semaphores made here
     os._exit(0 if ok else 1)  # skip interpreter teardown: about a second of CPU per process with torch
