@@ -1271,14 +1271,7 @@ def issue_reductions_early(graph: fx.Graph) -> int:
                       and not _is_collective(a) and not _is_wait(a)]
         position = {n: i for i, n in enumerate(graph.nodes)}
         anchor = max((a for c in chain for a in c.all_input_nodes if a not in chain), key=position.__getitem__)
-        ordered = sorted(chain, key=position.__getitem__)
-        if position[anchor] + 1 == position[ordered[0]] and all(
-                position[b] == position[a] + 1 for a, b in zip(ordered, ordered[1:])):
-            continue  # already right after its inputs
-        for c in ordered:
-            anchor.append(c)
-            anchor = c
-        moved += 1
+        moved += _follow(anchor, sorted(chain, key=position.__getitem__), position)
     return moved
 
 
@@ -1330,14 +1323,20 @@ def hand_off_early(graph: fx.Graph) -> int:
         if later:
             anchor = later[0]
         chain = sorted((c for c in candidates if position[c] > position[anchor]), key=position.__getitem__)
-        if not chain or position[chain[0]] == position[anchor] + 1 and all(
-                position[b] == position[a] + 1 for a, b in zip(chain, chain[1:])):
-            continue
-        for c in chain:
-            anchor.append(c)
-            anchor = c
-        moved += 1
+        moved += _follow(anchor, chain, position)
     return moved
+
+
+def _follow(anchor: fx.Node, chain: list[fx.Node], position: dict[fx.Node, int]) -> int:
+    """Move `chain` (in graph order) to right after `anchor`; 1 if anything moved, 0 if it already
+    stood there (or is empty). `position`: each node's index before the move."""
+    if not chain or position[chain[0]] == position[anchor] + 1 and all(
+            position[b] == position[a] + 1 for a, b in zip(chain, chain[1:])):
+        return 0
+    for c in chain:
+        anchor.append(c)
+        anchor = c
+    return 1
 
 
 def _is_reduce_phase(node: fx.Node) -> bool:
