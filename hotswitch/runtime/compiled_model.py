@@ -809,10 +809,12 @@ class CompiledModel:
             mine = comm_tensor([float(local_inputs[0].shape[0]), _digest(local_inputs)], torch.float64)
             gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine)
-            ranks = st.mesh.mesh.flatten().tolist()
-            dp_peers = [r for r in ranks if self._same_except(st, r, "dp")]
+            groups = self._groups(st, "dp")
+            dp_peers = next(g for g in groups if dist.get_rank() in g)
             batch = sum(int(gathered[r][0]) for r in dp_peers)
-            if len(dp_peers) > 1 and all(bool((gathered[r] == mine).all()) for r in dp_peers):
+            # said by the first rank of a dp group whose ranks all got the same inputs (all ranks know which)
+            alike = [g[0] for g in groups if len(g) > 1 and all(bool((gathered[r] == gathered[g[0]]).all()) for r in g)]
+            if alike and min(alike) == dist.get_rank():
                 self._warn_unsharded(st, int(mine[0]))
             cp = st.config.cp
             self._global_shapes[key] = tuple(
@@ -823,7 +825,7 @@ class CompiledModel:
     def _warn_unsharded(self, st: ConfigState, rows: int) -> None:
         """Every data-parallel peer got the same inputs: most likely the global batch, not this rank's
         part. Still exact (the mean over dp copies of a batch is its mean), but each rank computes the
-        whole batch, and the graphs are lowered for a dp times larger one. Said once per model."""
+        whole batch, and the graphs are lowered for a dp times larger one. Said once per model, by one rank."""
         if self._warned_unsharded:
             return
         self._warned_unsharded = True
@@ -836,10 +838,14 @@ class CompiledModel:
             f"computes all {rows} rows (a global batch of {rows * st.config.dp}, lowered again for that shape)",
             stacklevel=4)
 
-    def _same_except(self, st: ConfigState, rank: int, axis_name: str) -> bool:
-        coords = (st.mesh.mesh == rank).nonzero()[0].tolist()
-        mine = st.mesh.get_coordinate()
-        return all(c == m for i, (c, m) in enumerate(zip(coords, mine)) if i != st.axis.get(axis_name))
+    @staticmethod
+    def _groups(st: ConfigState, axis_name: str) -> list[list[int]]:
+        """The mesh's groups along `axis_name` (ranks whose coordinates differ on that axis alone), each
+        a list of ranks in the axis's order; every rank its own group when the mesh has no such axis."""
+        mesh = st.mesh.mesh
+        if axis_name not in st.axis:
+            return [[r] for r in mesh.flatten().tolist()]
+        return mesh.movedim(st.axis[axis_name], -1).reshape(-1, mesh.size(st.axis[axis_name])).tolist()
 
     def _check_split(self, st: ConfigState, shapes: tuple) -> None:
         """An uneven data-parallel split is exact only for a loss written as sum / count; context
