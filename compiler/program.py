@@ -161,7 +161,8 @@ def _plan_redistributions(plan, output_specs: list) -> tuple:
 def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buffers: list[torch.Tensor],
                   local_shapes: tuple, input_dtypes: list[torch.dtype], *, train: bool, reduce: bool = False,
                   strict: bool = True, memo: dict | None = None, decided: ShardingDecisions | None = None,
-                  cache: CompileCache | None = None, sample: bool = False) -> StageProgram:
+                  cache: CompileCache | None = None, sample: bool = False,
+                  bucket_bytes: int = BUCKET_BYTES) -> StageProgram:
     """Lower one stage (None: the whole model) for local micro-batches of `local_shapes` (this rank's
     rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`;
     it also keeps the redistributions `lower` traced);
@@ -171,7 +172,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     between ranks), consulted for the decisions when `decided` is None (filled after a
     search) and for this rank's program ("program"; "shared program" for one every dp rank lowers alike).
     `sample`: a program only read as a graph (the second of a length fit, `fit_programs`): its code is
-    not written (until it is run, if ever), it is not filed in the cache, nor cut into its passes."""
+    not written (until it is run, if ever), it is not filed in the cache, nor cut into its passes.
+    `bucket_bytes`: the size of the data-parallel gradient reduction's buckets (one all-reduce each)."""
     t0 = time.perf_counter()
     if reduce and stage is not None:
         raise ValueError("reduce=True lowers a whole model (stage=None); pipeline stages defer their reduction")
@@ -254,7 +256,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         # program, with this rank's coordinate (`any_dp`: one program for every dp coordinate)
         coordinate = tuple(None if any_dp and i == dp_dim else c for i, c in enumerate(mesh.get_coordinate()))
         return cache.key("program", *what, tuple(map(tuple, local_shapes)), coordinate,
-                         train, reduce, logic.split_loss, str(where.device), BUCKET_BYTES,
+                         train, reduce, logic.split_loss, str(where.device), bucket_bytes,
                          kernels,
                          _canonical(decisions), constants_digest(graph))
 
@@ -353,7 +355,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         if gm is None:
             try:
                 # with the DP reduction inside, its buckets reduced behind the rest of the backward
-                gm = lower(graph, sharding, local, plan, mesh, BUCKET_BYTES, device=where.device,
+                gm = lower(graph, sharding, local, plan, mesh, bucket_bytes, device=where.device,
                            traced=None if memo is None else memo.setdefault("traced", {}), reduce_early=reduce,
                            attention=attention, codeless=sample)
             except BaseException:

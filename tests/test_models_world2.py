@@ -341,3 +341,11 @@ def test_no_alltoall_fallback_line(results):
 
 def test_configs_as_strings_at_every_entry_point(results):
     assert results["check_configs_as_strings_at_every_entry_point"].raise_if_failed() == [["dp2", "tp2"]] * 2
+
+
+def test_grad_bucket_bytes_must_be_a_positive_byte_count():
+    """Checked before anything else (no process group needed): the message names the unit and the default."""
+    ids = torch.zeros(4, 6, dtype=torch.long)
+    for bad in (0, -1, 2.5, True, "25MB"):
+        with pytest.raises(ValueError, match=r"grad_bucket_bytes must be a positive number of bytes .* 25 MiB"):
+            hs.compile(DictLoss(), dict(ids=ids, targets=ids), configs=["dp2"], grad_bucket_bytes=bad)

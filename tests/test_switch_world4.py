@@ -149,41 +149,39 @@ def check_gradients_handed_off_during_the_backward():
     by bucket (small buckets here: several), and arrive equal to a plain switch's, bit for bit, and to
     the single-device sum. A pack fault inside the backward aborts the switch on every rank with the
     gradients intact; anything touching the gradients first drops the hand-off."""
-    import hotswitch.compiler.program as program
     from hotswitch.compiler.handoff import is_hand_off
     from hotswitch.compiler.lower import count_collectives
 
-    cm = _compiled()
+    # small gradient buckets, so that several are reduced (and handed off) behind the backward
+    cm = hs.compile(make_model("gpt"), batch(), configs=CONFIGS, topology=TOPOLOGY, logic=_compiled().logic,
+                    lazy=True, grad_bucket_bytes=64 * 1024)
     (a_ids, a_labels), (b_ids, b_labels) = batch(batch=6, seq=10, seed=5), batch(batch=6, seq=10, seed=6)
     model = make_model("gpt")
     _, ga = reference(model, a_ids, a_labels)
     _, gb = reference(model, b_ids, b_labels)
-    saved, program.BUCKET_BYTES = program.BUCKET_BYTES, 64 * 1024  # this shape is new to every rank: lowered anew
-    try:
-        def run(hand_off: bool, fault: set[int] | None = None):
-            cm.switch("dp2tp2")
-            cm.zero_grad()
-            cm.forward_backward(*cm.shard_inputs(a_ids, a_labels))
-            if hand_off:
-                assert cm.hand_off_grads("tp4")
-            pending = cm._hand_off
-            if fault is None:
-                cm.forward_backward(*cm.shard_inputs(b_ids, b_labels))
-                stats = cm.switch("tp4")
-                return {n: g.clone() for n, g in cm.local_grads.items()}, stats, pending
-            with inject_fault("pack", fault):
-                cm.forward_backward(*cm.shard_inputs(b_ids, b_labels))
-            try:
-                cm.switch("tp4")
-            except SwitchAborted:
-                return None, None, pending
-            raise AssertionError("a pack fault during the hand-off did not abort the switch")
 
-        plain, plain_stats, _ = run(False)
-        handed, stats, pending = run(True)
-        gm = cm.exec_graph("dp2tp2", ((6, 10), (6, 10)))
-    finally:
-        program.BUCKET_BYTES = saved
+    def run(hand_off: bool, fault: set[int] | None = None):
+        cm.switch("dp2tp2")
+        cm.zero_grad()
+        cm.forward_backward(*cm.shard_inputs(a_ids, a_labels))
+        if hand_off:
+            assert cm.hand_off_grads("tp4")
+        pending = cm._hand_off
+        if fault is None:
+            cm.forward_backward(*cm.shard_inputs(b_ids, b_labels))
+            stats = cm.switch("tp4")
+            return {n: g.clone() for n, g in cm.local_grads.items()}, stats, pending
+        with inject_fault("pack", fault):
+            cm.forward_backward(*cm.shard_inputs(b_ids, b_labels))
+        try:
+            cm.switch("tp4")
+        except SwitchAborted:
+            return None, None, pending
+        raise AssertionError("a pack fault during the hand-off did not abort the switch")
+
+    plain, plain_stats, _ = run(False)
+    handed, stats, pending = run(True)
+    gm = cm.exec_graph("dp2tp2", ((6, 10), (6, 10)))
     assert all(torch.equal(plain[n], handed[n]) for n in plain)
     grads = cm.full_grads()
     assert max(rel_err(grads[n], ga[n] + gb[n]) for n in ga) < 1e-5
@@ -199,11 +197,7 @@ def check_gradients_handed_off_during_the_backward():
     assert sum(i < last_backward for i in hooks) >= len(hooks) - 2 >= 2, (hooks, last_backward)
     assert pending.sent_during_backward == len(pending.groups) >= 2
     # a fault while packing inside the backward: every rank aborts, dp2tp2 stays, its gradients whole
-    saved, program.BUCKET_BYTES = program.BUCKET_BYTES, 64 * 1024
-    try:
-        aborted, _, _ = run(True, fault={1})
-    finally:
-        program.BUCKET_BYTES = saved
+    aborted, _, _ = run(True, fault={1})
     assert aborted is None and cm.active == "dp2tp2"
     cm.switch("tp4")  # a plain switch of the same gradients
     assert all(torch.equal(plain[n], g) for n, g in cm.local_grads.items())

@@ -18,12 +18,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from hotswitch.compiler import _dtensor as dt
-from hotswitch.compiler import program as lowering  # BUCKET_BYTES read when used (tests lower it)
 from hotswitch.compiler.cache import default_cache
 from hotswitch.compiler.garbage import collector_paused
 from hotswitch.compiler.handoff import handing_off
 from hotswitch.compiler.lengths import CannotFit, LengthFit
-from hotswitch.compiler.lower import ShardingDecisions
+from hotswitch.compiler.lower import BUCKET_BYTES, ShardingDecisions
 from hotswitch.compiler.program import (
     StageMesh,
     StageProgram,
@@ -107,7 +106,11 @@ class CompiledModel:
     def __init__(self, model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
                  topology: Topology | None = None, lazy: bool = False, progress=None,
                  logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager",
-                 dynamic: bool | None = None):
+                 dynamic: bool | None = None, grad_bucket_bytes: int | None = None):
+        if grad_bucket_bytes is not None and (isinstance(grad_bucket_bytes, bool)
+                                              or not isinstance(grad_bucket_bytes, int) or grad_bucket_bytes < 1):
+            raise ValueError(f"grad_bucket_bytes must be a positive number of bytes (DDP's bucket_cap_mb * 2**20), "
+                             f"got {grad_bucket_bytes!r}; None keeps the default, {BUCKET_BYTES >> 20} MiB")
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU), on every rank")
@@ -130,6 +133,7 @@ class CompiledModel:
         if dynamic is not None and not isinstance(dynamic, bool):
             raise ValueError(f"dynamic must be None, True or False, got {dynamic!r}")
         self.dynamic = dynamic  # how new sequence lengths are compiled: see `compile`
+        self.grad_bucket_bytes = BUCKET_BYTES if grad_bucket_bytes is None else grad_bucket_bytes
         self._report = report = progress or (lambda message: None)
         t0 = time.perf_counter()
         # sharding decisions and the LogicGraph: computed by one rank for all, and kept on disk for
@@ -323,7 +327,7 @@ class CompiledModel:
             name, plan, list(self.logic.param_names), {n: state_key(StateKind.GRAD, n) for n in self.logic.param_names},
             src, dst, self.rank, self._hand_off_groups, dtypes={m: self._dtype(m) for m in dst},
             accumulated=lambda: self._grads or {}, device=self.device,
-            group_bytes=lowering.BUCKET_BYTES // 4)
+            group_bytes=self.grad_bucket_bytes // 4)
         return True
 
     def _take_hand_off(self, name: str):
@@ -988,7 +992,8 @@ class CompiledModel:
         program = lower_program(self.logic, stage, st.where, self._buffers, local_shapes,
                                 [x.dtype for x in self._example_inputs], train=train, reduce=reduce,
                                 strict=self.strict, memo=self._propagation_memo.setdefault(st.config.name, {}),
-                                decided=st.decisions.get(graph), cache=self._cache, sample=sample)
+                                decided=st.decisions.get(graph), cache=self._cache, sample=sample,
+                                bucket_bytes=self.grad_bucket_bytes)
         st.decisions.setdefault(graph, program.decisions)
         return program
 
@@ -1267,7 +1272,7 @@ def _cp_tokens(layout: str, document_ids: torch.Tensor, cp: int, rank: int) -> t
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
             topology: Topology | None = None, lazy: bool = False, progress=None,
             logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager",
-            dynamic: bool | None = None) -> CompiledModel:
+            dynamic: bool | None = None, grad_bucket_bytes: int | None = None) -> CompiledModel:
     """Trace `model` once and compile it for every config.
 
     `model`: forward returns a scalar mean loss, or an object or dict with a `loss` entry (Hugging
@@ -1291,6 +1296,9 @@ def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = T
     at once (their first lowering is followed by a sample at half its length and the fit), so no
     new length lowers anything; False, every length is lowered (replayed), never fitted. Where the
     programs do not fit (an uneven length, a size not affine in the length), every length is lowered.
+    `grad_bucket_bytes`: the size of the buckets in which data-parallel gradients are all-reduced, each
+    issued as soon as its last gradient is computed (DDP's `bucket_cap_mb`; default 25 MiB, as DDP's).
     """
     return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy, progress=progress,
-                         logic=logic, cp_layout=cp_layout, backend=backend, dynamic=dynamic)
+                         logic=logic, cp_layout=cp_layout, backend=backend, dynamic=dynamic,
+                         grad_bucket_bytes=grad_bucket_bytes)

@@ -159,7 +159,8 @@ class Trainer:
     results stay exact), `logic` (the LogicGraph of an
     earlier Trainer of the same model: skips tracing), `cp_layout` (see `hs.compile`), `backend`
     ("eager", or "inductor": every ExecGraph compiled by Inductor on its first step; "auto"'s
-    measurements run eagerly). Call `step` with the same global batch on every rank.
+    measurements run eagerly), `grad_bucket_bytes` (see `hs.compile`). Call `step` with the same global
+    batch on every rank.
     """
 
     def __init__(self, model: nn.Module, configs, optimizer: dict | None = None, memory_budget_bytes: int | None = None,
@@ -168,7 +169,7 @@ class Trainer:
                  compute_dtype: torch.dtype | None = None, zero1: bool | None = None, length_multiple: int = 16,
                  profile_repeats: int = 3, strict: bool = False, topology: Topology | None = None,
                  progress: Callable[[str], None] | None = None, logic=None, prefetch: bool = True,
-                 cp_layout: str = "contiguous", backend: str = "eager"):
+                 cp_layout: str = "contiguous", backend: str = "eager", grad_bucket_bytes: int | None = None):
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.Trainer needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
@@ -179,7 +180,8 @@ class Trainer:
             def measure(space, timed, lengths):  # every config of the space, compiled only where read
                 meter = Trainer(model, space, memory_budget_bytes=memory_budget_bytes, logic=logic,
                                 micro_batch_tokens=micro_batch_tokens, compute_dtype=compute_dtype,
-                                length_multiple=length_multiple, strict=strict, topology=topology, progress=progress)
+                                length_multiple=length_multiple, strict=strict, topology=topology, progress=progress,
+                                grad_bucket_bytes=grad_bucket_bytes)
                 meters.append(meter)
                 timed = [c.name for c in timed]
                 meter.profile(lengths, configs=timed)
@@ -252,7 +254,7 @@ class Trainer:
         example = self._inputs(D.full_length_micro_batch(2, self.length_multiple))
         self.cm: CompiledModel = hs_compile(self.loss_module, example, self.configs, lazy=True, topology=topology,
                                             strict=strict, logic=logic, progress=self._report, cp_layout=cp_layout,
-                                            backend=backend)
+                                            backend=backend, grad_bucket_bytes=grad_bucket_bytes)
         self.cm.grad_dtype = torch.float32
         self.cost = CostModel(memory_budget_bytes)
         self.step_count = 0
