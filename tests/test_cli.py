@@ -140,10 +140,16 @@ def test_plain_and_elastic_training_give_the_trainer_the_same_options():
     from hotswitch.train.loop import trainer_options
 
     args = cli.build_parser().parse_args(["train", "--world-size", "2", "--elastic", "2:4", "--no-prefetch",
-                                          "--cp-layout", "zigzag", "--compile-backend", "inductor"])
+                                          "--cp-layout", "zigzag", "--compile-backend", "inductor",
+                                          "--grad-bucket-mib", "0.5"])
     got = trainer_options(options(args), None, (64, 128))
     assert (got["prefetch"], got["cp_layout"], got["backend"], got["buckets"]) == (False, "zigzag", "inductor",
                                                                                   (64, 128))
+    assert got["grad_bucket_bytes"] == 2**19, got
+    plain = trainer_options(options(cli.build_parser().parse_args(["train", "--world-size", "2"])), None, None)
+    assert plain["grad_bucket_bytes"] is None  # hs.compile's default
+    with pytest.raises(SystemExit, match="--grad-bucket-mib must be positive"):
+        options(cli.build_parser().parse_args(["train", "--world-size", "2", "--grad-bucket-mib", "0"]))
 
 
 def test_several_hosts_options_are_checked_and_passed_on():

@@ -137,6 +137,8 @@ def add_train_arguments(p, micro_batch_tokens: int = 1024) -> None:
                    f"replica per micro-batch (default: {micro_batch_tokens}); a longer row is a micro-batch of its own")
     p.add_argument("--buckets", default=None, help="comma-separated bucket bounds, e.g. 32,64,256 (default: from the "
                    "first batch's length distribution)")
+    p.add_argument("--grad-bucket-mib", type=float, default=None, help="size of the buckets in which data-parallel "
+                   "gradients are all-reduced behind the backward (DDP's bucket_cap_mb; default: 25)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="seeds the weights and the synthetic data and its order")
     p.add_argument("--zero1", action="store_true", help="shard AdamW states over the base config's dp ranks")

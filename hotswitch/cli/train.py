@@ -99,6 +99,10 @@ def options(args, **extra):
     extra.setdefault("prefetch", getattr(args, "prefetch", True))
     extra.setdefault("cp_layout", getattr(args, "cp_layout", "contiguous"))
     extra.setdefault("compile_backend", getattr(args, "compile_backend", "eager"))
+    mib = getattr(args, "grad_bucket_mib", None)
+    if mib is not None and not mib > 0:
+        raise SystemExit(f"hotswitch: --grad-bucket-mib must be positive, got {mib}")
+    extra.setdefault("grad_bucket_bytes", None if mib is None else max(1, round(mib * 2**20)))
     return TrainOptions(args.model, args.world_size, args.dataset, args.steps, args.batch_size, max_length,
                         tuple(c.spec() for c in configs), static, budget, args.micro_batch_tokens, buckets, args.lr,
                         args.seed, args.zero1, getattr(args, "save_final", None), **extra)

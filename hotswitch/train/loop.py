@@ -42,6 +42,7 @@ class TrainOptions:
     prefetch: bool = True  # the next config's weights move while the current one computes
     cp_layout: str = "contiguous"  # how cp configs lay out the sequence (CompiledModel.cp_layout)
     compile_backend: str = "eager"  # how ExecGraphs run: op by op, or compiled by Inductor (runtime.backend)
+    grad_bucket_bytes: int | None = None  # data-parallel gradient buckets (hs.compile's); None: 25 MiB
 
 
 def trainer_options(opts: TrainOptions, memory_budget_bytes: int | None, buckets) -> dict:
@@ -49,7 +50,7 @@ def trainer_options(opts: TrainOptions, memory_budget_bytes: int | None, buckets
     run and the elastic job (which left --no-prefetch and --cp-layout out when it had its own)."""
     return dict(optimizer=dict(name="adamw", lr=opts.lr), memory_budget_bytes=memory_budget_bytes, buckets=buckets,
                 micro_batch_tokens=opts.micro_batch_tokens, prefetch=opts.prefetch, cp_layout=opts.cp_layout,
-                backend=opts.compile_backend)
+                backend=opts.compile_backend, grad_bucket_bytes=opts.grad_bucket_bytes)
 
 
 def build_model(opts: TrainOptions):
