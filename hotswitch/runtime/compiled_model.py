@@ -814,11 +814,11 @@ class CompiledModel:
             gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine)
             groups = self._groups(st, "dp")
-            dp_peers = next(g for g in groups if dist.get_rank() in g)
+            dp_peers = next(g for g in groups if self.rank in g)
             batch = sum(int(gathered[r][0]) for r in dp_peers)
             # said by the first rank of a dp group whose ranks all got the same inputs (all ranks know which)
             alike = [g[0] for g in groups if len(g) > 1 and all(bool((gathered[r] == gathered[g[0]]).all()) for r in g)]
-            if alike and min(alike) == dist.get_rank():
+            if alike and min(alike) == self.rank:
                 self._warn_unsharded(st, int(mine[0]))
             cp = st.config.cp
             self._global_shapes[key] = tuple(
