@@ -121,6 +121,27 @@ def test_every_module_imports_from_the_installed_package():
     assert proc.returncode == 0, proc.stderr
 
 
+def test_kernels_in_the_repository_root_is_the_installed_package_of_that_name():
+    """From the checkout's root (as `python -m pytest` and its spawned ranks run), `import kernels` is
+    the installed top-level package of that name (transformers imports Hugging Face's `kernels`), not
+    this repository's kernels/ folder, which is hotswitch.kernels; with none installed it is not found."""
+    code = ("import importlib.util, sys\n"
+            "sys.path.insert(0, {root!r})\n"
+            "import hotswitch.kernels\n"
+            "try:\n"
+            "    import kernels\n"
+            "except ModuleNotFoundError as e:\n"
+            "    print('none', e.name)\n"
+            "else:\n"
+            "    print(kernels.__file__)\n"
+            "print(hotswitch.kernels.pack.__module__)\n").format(root=str(ROOT))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    found, ours = proc.stdout.split("\n")[:2]
+    assert ours == "hotswitch.kernels.pack"
+    assert found == "none kernels" or (found.endswith("__init__.py") and str(ROOT) not in found), found
+
+
 def test_importing_hotswitch_leaves_dtensor_as_it_was():
     proc = _run_outside(
         "from torch.distributed.tensor import _sharding_prop as sp\n"
