@@ -1,7 +1,7 @@
 """Programs at new sequence lengths without lowering them: `fit` two programs, then `LengthFit.at`.
 
 A config's first sequence length is lowered by DTensor's search and later lengths replay its
-decisions (`lower.propagate_graph`). A replay still visits every op, traces the redistributions and
+decisions (`propagate.propagate_graph`). A replay still visits every op, traces the redistributions and
 builds every node: most of a lowering. But two programs of one config, at the same rows and two
 lengths, are usually one graph whose integer arguments (view and split sizes, ranges, fills) are
 affine functions of the length. `fit` finds those functions; `LengthFit.at(length)` writes the

@@ -4,13 +4,13 @@ Every ExecGraph is lowered here, whatever the config: a pp = 1 config's whole mo
 stage of its pipeline (`stage=None`). `lower_program` builds the placeholder specs (parameters in
 their config's placements, buffers replicated, model inputs sharded on the batch dim over dp,
 activations received from a neighbouring stage in the layout that stage sends), propagates
-shardings (`lower.propagate_graph`) and traces this rank's program (`lower.lower`). Two outputs:
+shardings (`propagate.propagate_graph`) and traces this rank's program (`lower.lower`). Two outputs:
 
 - `reduce=True` (pp = 1 only): one graph that ends with the data-parallel gradient reduction
   (bucketed), the division by the global loss denominator and every gradient in its parameter's
   layout: what one `forward_backward` call runs.
 - `reduce=False`: loss parts and gradients left unreduced, so micro-batches (and pipeline stages)
-  sum them and one `lower.lower_reduction` program reduces once per step; not the last stage:
+  sum them and one `reduce.lower_reduction` program reduces once per step; not the last stage:
   cut into a forward and a backward program (`stages.split_forward_backward`).
 
 Uneven data-parallel batches: each rank propagates with its own local batch times dp (the virtual
@@ -33,16 +33,10 @@ from .cache import CompileCache
 from .garbage import collector_paused
 from .lengths import CannotFit, LengthFit, affine_in_length, fit
 from .logic_io import dumps_fit, dumps_program, graph_text, loads_fit, loads_program
-from .lower import (
-    BUCKET_BYTES,
-    OutputPlan,
-    ShardingDecisions,
-    StageOutputPlan,
-    lower,
-    mixes_rows,
-    propagate_graph,
-    reads_coordinate,
-)
+from .lower import lower
+from .propagate import propagate_graph
+from .reduce import BUCKET_BYTES, OutputPlan, StageOutputPlan
+from .sharding import ShardingDecisions, mixes_rows, reads_coordinate
 from .stages import Stage, split_forward_backward, stage_joint
 from .tp_rules import param_views
 from .trace import LogicGraph
@@ -99,7 +93,7 @@ class StageProgram:
     decisions: ShardingDecisions | None = None  # the placements decided, apart from shapes
     replayed: int = 0  # ops whose placements were replayed from earlier decisions
     loaded: bool = False  # the ExecGraph was not traced here: the compile cache or another dp rank had it
-    # ops that combine rows of different dp ranks other than by a sum (`lower.mixes_rows`): exact only
+    # ops that combine rows of different dp ranks other than by a sum (`sharding.mixes_rows`): exact only
     # when every dp rank holds the same number of rows
     mixes_rows: tuple[str, ...] = ()
     replayed_all: bool = False  # every decision replayed from another shape's, none searched again
@@ -321,7 +315,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                     sent += [(first_grad_in + k, specs[n_p + n_b + n_i + k]) for k in range(n_acts_in)]
                 plan = StageOutputPlan(forward_outputs=tuple(range(n_out + n_losses)), sent=tuple(sent))
             # ranks that differ only in their dp coordinate lower the same program unless it reads that
-            # coordinate (`lower.reads_coordinate`): the first to get here lowers it for the others
+            # coordinate (`sharding.reads_coordinate`): the first to get here lowers it for the others
             one_for_all = cache is not None and dp_dim is not None and not reads_coordinate(
                 sharding, graph, dp_dim, _plan_redistributions(plan, sharding.output_specs))
             if dp_dim is not None and cache is not None:

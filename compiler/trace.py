@@ -553,7 +553,7 @@ class _LossAsCoreOps(fx.Interpreter):
     core ops (a gather of the log-probabilities, whose backward scatter-adds the gradient), as when
     the forward was decomposed before the joint was traced. Left to autograd, `nll_loss`'s backward
     decomposes into a scatter of -1 into zeros, for which DTensor gathers the token rows over data
-    parallelism: exact only with even rows (`lower.mixes_rows`), where the loss is exact for any."""
+    parallelism: exact only with even rows (`sharding.mixes_rows`), where the loss is exact for any."""
 
     def call_function(self, target, args, kwargs):
         if target is aten.cross_entropy_loss.default:

@@ -1,7 +1,7 @@
 """The dims along which a LogicGraph's values hold the same values in every slice (`uniform_dims`).
 
 Data-parallel ranks share one lowered program when the program reads nothing of their dp
-coordinate (`lower.reads_coordinate`). Taking a rank's rows of a value computed whole on every rank
+coordinate (`sharding.reads_coordinate`). Taking a rank's rows of a value computed whole on every rank
 reads it (the rows' offset), unless every piece holds the same values: then rank 0's program, run on
 rank r, computes rank r's own. HF Llama builds its attention mask that way: a [T, T] pattern from
 positions made by `arange`, expanded over the batch and combined with other values made alike, then

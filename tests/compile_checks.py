@@ -210,13 +210,13 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
     import hotswitch.compiler.program as program
     from hotswitch.compiler.attention import fuse_attention
     from hotswitch.compiler.lower import (
-        BUCKET_BYTES,
         SOURCE_META,
         add_hand_offs,
         hand_off_early,
         issue_reductions_early,
         wait_where_read,
     )
+    from hotswitch.compiler.reduce import BUCKET_BYTES
     from tests.reference_lowering import lower_by_make_fx, same_program
 
     found: list[str | None] = []
@@ -257,11 +257,11 @@ def second_pass_equals_deciding_again(kind: str, configs) -> list[tuple[str | No
     second pass reuses the first pass's decision for every op whose inputs arrive as they did) and
     with every op of the second pass decided again. Per search, in order: the first difference (None:
     the same decisions, specs, reductions and arguments for every node) and the decisions reused."""
-    import hotswitch.compiler.lower as lower
     import hotswitch.compiler.program as program
+    import hotswitch.compiler.propagate as propagate
 
     found: list[tuple[str | None, int]] = []
-    original, reuse = program.propagate_graph, lower._as_before
+    original, reuse = program.propagate_graph, propagate._as_before
     reused = [0]  # decisions the search being run reused
 
     def counted(d, specs):
@@ -271,17 +271,17 @@ def second_pass_equals_deciding_again(kind: str, configs) -> list[tuple[str | No
 
     def both(*args, **kwargs):
         reused[0] = 0
-        lower._as_before = counted
+        propagate._as_before = counted
         try:
             got = original(*args, **kwargs)
         finally:
-            lower._as_before = reuse
+            propagate._as_before = reuse
         if kwargs.get("decided") is None:  # a search (a replay has no second pass)
-            lower._as_before = lambda d, specs: None
+            propagate._as_before = lambda d, specs: None
             try:
                 again = original(*args, **kwargs)
             finally:
-                lower._as_before = reuse
+                propagate._as_before = reuse
             found.append((_first_difference(got, again), reused[0]))
         return got
 
@@ -298,14 +298,14 @@ def second_pass_equals_deciding_again(kind: str, configs) -> list[tuple[str | No
 def alike_ops_equal_deciding_each(kind: str, configs, lengths=(SEQ, 16)) -> list[tuple[str, str | None, int]]:
     """Compile `configs` and lower each at `lengths` (the first searched, the next replayed), every
     propagation run twice: as `propagate_graph` runs it (an op alike an earlier one, a repeated
-    block's, takes that one's decision: `lower._AlikeOps`) and with every op decided on its own. Per
+    block's, takes that one's decision: `propagate._AlikeOps`) and with every op decided on its own. Per
     propagation: "search" or "replay", the first difference (None: the same decisions, specs,
     reductions and arguments for every node) and the decisions taken from an alike op."""
-    import hotswitch.compiler.lower as lower
     import hotswitch.compiler.program as program
+    import hotswitch.compiler.propagate as propagate
 
     found: list[tuple[str, str | None, int]] = []
-    original, decision = program.propagate_graph, lower._AlikeOps.decision
+    original, decision = program.propagate_graph, propagate._AlikeOps.decision
     served = [0]
 
     def counted(self, node, how, decide):
@@ -316,9 +316,9 @@ def alike_ops_equal_deciding_each(kind: str, configs, lengths=(SEQ, 16)) -> list
 
     def both(*args, **kwargs):
         served[0] = 0
-        with mock.patch.object(lower._AlikeOps, "decision", counted):
+        with mock.patch.object(propagate._AlikeOps, "decision", counted):
             got = original(*args, **kwargs)
-        with mock.patch.object(lower._AlikeOps, "decision", lambda self, node, how, decide: decide()):
+        with mock.patch.object(propagate._AlikeOps, "decision", lambda self, node, how, decide: decide()):
             alone = original(*args, **kwargs)
         found.append(("search" if kwargs.get("decided") is None else "replay", _first_difference(got, alone),
                       served[0]))

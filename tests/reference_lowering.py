@@ -20,7 +20,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from hotswitch.compiler import _dtensor as dt
 from hotswitch.compiler._torch import pytree
 from hotswitch.compiler.lengths import resolved_arguments
-from hotswitch.compiler.lower import output_finisher, placed_on
+from hotswitch.compiler.lower import placed_on
+from hotswitch.compiler.reduce import output_finisher
 
 __all__ = ["lower_by_make_fx", "same_program"]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hotswitch.compiler.cache import CompileCache, default_cache
-from hotswitch.compiler.lower import ShardingDecisions
+from hotswitch.compiler.sharding import ShardingDecisions
 
 DECISIONS = ShardingDecisions({"mm": (((("S", 0),), (("R",),)), (("P", "sum"),))}, frozenset({"add_3"}))
 

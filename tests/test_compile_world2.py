@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hotswitch as hs
-from hotswitch.compiler.lower import ShardingError
+from hotswitch.compiler.sharding import ShardingError
 from hotswitch.models import GPT, GPTConfig
 from tests.compile_checks import (
     alike_ops_equal_deciding_each,

@@ -22,7 +22,6 @@ from hotswitch.compiler.cache import default_cache
 from hotswitch.compiler.garbage import collector_paused
 from hotswitch.compiler.handoff import handing_off
 from hotswitch.compiler.lengths import CannotFit, LengthFit
-from hotswitch.compiler.lower import BUCKET_BYTES, ShardingDecisions
 from hotswitch.compiler.program import (
     StageMesh,
     StageProgram,
@@ -34,6 +33,8 @@ from hotswitch.compiler.program import (
     program_at,
     store_fit,
 )
+from hotswitch.compiler.reduce import BUCKET_BYTES
+from hotswitch.compiler.sharding import ShardingDecisions
 from hotswitch.compiler.signature import ModelCall
 from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles, param_placements
@@ -877,7 +878,7 @@ class CompiledModel:
     @staticmethod
     def _checked_rows(st: ConfigState, program: StageProgram, uneven: str | None) -> StageProgram:
         """`program`, unless the dp ranks hold different numbers of rows (`uneven` says how) and it
-        combines rows across them other than by a sum (`compiler.lower.mixes_rows`): each rank lowered
+        combines rows across them other than by a sum (`compiler.sharding.mixes_rows`): each rank lowered
         it for its own rows times dp, so its collectives would disagree in size (gloo aborts the
         process) or average wrongly. Every rank raises the same error, before any collective."""
         if uneven and program.mixes_rows:

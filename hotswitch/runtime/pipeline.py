@@ -11,7 +11,7 @@ over dp, replicated over tp, or sharded on the sequence dim under sequence paral
 
 **One step.** The local batch is cut into micro-batches (dim 0, torch.tensor_split sizes). The loss
 numerator, its denominator and the parameter gradients of each micro-batch are summed *unreduced*;
-after the last micro-batch one reduction program per stage (`hotswitch.compiler.lower.lower_reduction`) does
+after the last micro-batch one reduction program per stage (`hotswitch.compiler.reduce.lower_reduction`) does
 the data-parallel all-reduce (bucketed), the division by the global denominator and the
 redistribution into the parameter layouts: one gradient reduction per step, not per micro-batch, and
 the result equals one step on the whole batch exactly, whatever the micro-batches' token counts.
@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from hotswitch.compiler.lower import OutputPlan, lower_reduction
 from hotswitch.compiler.program import StageProgram
+from hotswitch.compiler.reduce import OutputPlan, lower_reduction
 
 SCHEDULES = ("1f1b", "gpipe")
 # Point-to-point in batches: a stage's sends wait to go out with its next receive, in one

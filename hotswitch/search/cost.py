@@ -52,7 +52,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from hotswitch.compiler.lower import BUCKET_BYTES  # the compiler's gradient bucket: one all-reduce each
+from hotswitch.compiler.reduce import BUCKET_BYTES  # the compiler's gradient bucket: one all-reduce each
 from hotswitch.compiler.tp_rules import heads_sharded
 from hotswitch.distconfig import DistConfig, Topology
 from hotswitch.switch.cluster import describe_model, split_stages
