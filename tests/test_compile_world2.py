@@ -479,7 +479,7 @@ def check_a_dp_family_fits_the_sample_of_either_dp_rank():
     first = cm.exec_graph(config.name, (tuple(batch(batch=4)[0].shape),) * 2)
     (key,) = [k for k, p in st.programs.items() if p.joint is first]
     at = lambda length: (tuple((s[0], length, *s[2:]) for s in key[0]), *key[1:])  # noqa: E731
-    sample = cm._lower(st, at(16), sample=True).joint  # this rank's own, lowered here
+    sample = cm._programs.lower(st, at(16), sample=True).joint  # this rank's own, lowered here
     groups = _group_names(st.mesh)
     samples = [None] * dist.get_world_size()
     dist.all_gather_object(samples, dumps_program(sample, {g: i for i, g in enumerate(groups)}))

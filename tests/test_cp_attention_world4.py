@@ -133,7 +133,7 @@ def check_compiled_layouts_match_one_device():
     configs = ["cp4", "dp2cp2", "tp2cp2"]
     cm = hs.compile(model, inputs, configs=configs)
     errors, fetched, gathers = {}, {}, {}
-    for layout in hs.runtime.compiled_model.CP_LAYOUTS:
+    for layout in hs.runtime.inputs.CP_LAYOUTS:
         cm.cp_layout = layout
         for name in configs:
             cm.switch(name)

@@ -166,7 +166,7 @@ def check_gradients_handed_off_during_the_backward():
         cm.forward_backward(*cm.shard_inputs(a_ids, a_labels))
         if hand_off:
             assert cm.hand_off_grads("tp4")
-        pending = cm._hand_off
+        pending = cm._switcher.pending_hand_off
         if fault is None:
             cm.forward_backward(*cm.shard_inputs(b_ids, b_labels))
             stats = cm.switch("tp4")
@@ -207,7 +207,7 @@ def check_gradients_handed_off_during_the_backward():
     assert cm.hand_off_grads("tp4")
     cm.forward_backward(*cm.shard_inputs(a_ids, a_labels))
     cm.zero_grad()
-    assert cm._hand_off is None
+    assert cm._switcher.pending_hand_off is None
     cm.switch("tp4")
     assert cm.local_grads is None
     assert not cm.hand_off_grads("tp4")  # already there
