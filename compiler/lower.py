@@ -30,6 +30,7 @@ from ._torch import (
     meta_like,
     pytree,
 )
+from .fsdp import GatherPlan, gather_unit, prefetch_gathers
 from .propagate import _signature, meta_run
 from .reduce import (
     BUCKET_BYTES,
@@ -39,6 +40,7 @@ from .reduce import (
     finish_outputs,
     gradient_buckets,
     output_finisher,
+    scattered_units,
 )
 from .sharding import Decision, GraphSharding
 
@@ -55,6 +57,7 @@ def lower(
     reduce_early: bool = False,
     attention: tuple[torch.device, bool] | None = None,
     codeless: bool = False,
+    fsdp: GatherPlan | None = None,
 ) -> fx.GraphModule:
     """Build this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
 
@@ -69,6 +72,9 @@ def lower(
     `attention`: (the device the program runs on, for Inductor?): its attention is written as torch's
     fused kernels there (`attention.fuse_attention`), not at run time on a copy of the program.
     `codeless`: the program's code is written when it is first run (a program read as a graph only).
+    `fsdp`: parameters whose placeholders hold fsdp shards (`compiler.fsdp`): a unit's are all-gathered
+    into the placements they compute in before its first use in each phase, the next unit's
+    gather issued behind it (`fsdp.prefetch_gathers`).
     """
     decisions = sharding.decisions
     on_device = placed_on(device)
@@ -76,6 +82,7 @@ def lower(
     program = _ProgramBuilder(local_inputs[0].device if local_inputs else device or torch.device("cpu"), traced)
     env: dict[fx.Node, Any] = {}
     moved: dict[tuple, fx.Node] = {}  # (value, placements): one all-gather of a tensor serves all its consumers
+    read = _fsdp_reader(graph, program, env, fsdp, mesh) if fsdp is not None else (lambda src, node: env[src])
     inputs = iter(local_inputs)
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -105,7 +112,7 @@ def lower(
         elif _has_mask_partial(d):
             # a vocab-parallel _MaskPartial carries the mask its input redistribution computes to the
             # reduction of the op's output: the three are traced together
-            inputs = [env[n] for n in d.tensor_nodes]
+            inputs = [read(n, node) for n in d.tensor_nodes]
             try:
                 out = tuple(d.out_spec) if isinstance(d.out_spec, (tuple, list)) else d.out_spec
                 key = ("decision", id(mesh), node.target, tuple(d.in_specs), tuple(d.want_specs), out, d.reduce_to,
@@ -117,7 +124,7 @@ def lower(
         else:
             tensors = []
             for src, have, want in zip(d.tensor_nodes, d.in_specs, d.want_specs):
-                value = env[src]
+                value = read(src, node)
                 if have.placements != want.placements:
                     key = (src, want.placements)
                     if key not in moved:
@@ -137,7 +144,47 @@ def lower(
         issue_reductions_early(program.graph)
         hand_off_early(program.graph)
     wait_where_read(program.graph)
+    if fsdp is not None:
+        prefetch_gathers(program.graph)
     return program.module(codeless)
+
+
+def _fsdp_reader(graph: fx.Graph, program: _ProgramBuilder, env: dict, plan: GatherPlan, mesh):
+    """`read(src, node)`: the value `node` reads for its input `src`; an fsdp parameter's is its unit's
+    gather of `node`'s phase, emitted when first read there (every node of it tagged "fsdp")."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    members = plan.unit_members()
+    unit_of = {placeholders[index]: unit for index, unit, _, _ in plan.params}
+    gathered: dict[tuple[fx.Node, str], fx.Node] = {}
+
+    def read(src: fx.Node, node: fx.Node):
+        unit = unit_of.get(src)
+        if unit is None:
+            return env[src]
+        phase = node.meta.get("custom", {}).get("phase")
+        if (src, phase) not in gathered:
+            indices, storage, compute = zip(*members[unit])
+            last = next(reversed(program.graph.nodes))
+            key = ("fsdp gather", id(mesh), storage, compute)
+            outs = program.inline(key, gather_unit(storage, compute, plan.dp_dim),
+                                  [env[placeholders[i]] for i in indices], node)
+            for n in _nodes_after(program.graph, last):
+                n.meta["custom"] = {**n.meta.get("custom", {}), "fsdp": "gather", "unit": unit}
+            for i, out in zip(indices, outs):
+                gathered[(placeholders[i], phase)] = out
+        return gathered[(src, phase)]
+
+    return read
+
+
+def _nodes_after(graph: fx.Graph, last: fx.Node) -> list[fx.Node]:
+    """The nodes appended to `graph` after `last`."""
+    out = []
+    for n in reversed(graph.nodes):
+        if n is last:
+            break
+        out.append(n)
+    return out[::-1]
 
 def add_hand_offs(graph: fx.Graph, specs: list, plan: OutputPlan | StageOutputPlan, bucket_bytes: int) -> None:
     """Before the output of a training program that reduces its gradients (an OutputPlan with
@@ -147,9 +194,12 @@ def add_hand_offs(graph: fx.Graph, specs: list, plan: OutputPlan | StageOutputPl
     if not isinstance(plan, OutputPlan) or not plan.param_specs:
         return
     metas = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype, device="meta") for s in specs]
+    scattered = scattered_units(specs, plan)
+    skip = frozenset(i for unit in scattered for i in unit)
     groups = [tuple(i - plan.num_losses for i in bucket if i >= plan.num_losses)
-              for buckets in gradient_buckets(metas, specs, plan.num_losses, bucket_bytes).values()
+              for buckets in gradient_buckets(metas, specs, plan.num_losses, bucket_bytes, skip).values()
               for bucket in buckets]
+    groups += [tuple(i - plan.num_losses for i in unit) for unit in scattered]
     groups = [g for g in groups if g]
     bucketed = {k for g in groups for k in g}
     rest = tuple(k for k in range(len(plan.param_specs)) if k not in bucketed)
@@ -308,6 +358,9 @@ def collectives(gm: fx.GraphModule, phase: str | None = None) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if _is_collective(n)
             and (phase is None or n.meta.get("custom", {}).get("phase") == phase)]
 
+_REDUCTIONS = ("all_reduce", "reduce_scatter")  # a gradient bucket's, an fsdp unit's
+
+
 def issue_reductions_early(graph: fx.Graph) -> int:
     """DDP's overlap, in the graph: each gradient bucket's all-reduce, with the concatenation and
     views that pack it, moves to right after the last value it carries is computed. It then runs
@@ -317,7 +370,7 @@ def issue_reductions_early(graph: fx.Graph) -> int:
     GraphModule owning it writes its code again on `recompile()`)."""
     moved = 0
     for node in [n for n in graph.nodes if _is_reduce_phase(n) and _is_collective(n)
-                 and collective_kind(n) == "all_reduce"]:
+                 and collective_kind(n) in _REDUCTIONS]:
         chain, stack = set(), [node]
         while stack:  # the node and the packing ops feeding it (never a wait: that would block early)
             n = stack.pop()
@@ -358,7 +411,7 @@ def hand_off_early(graph: fx.Graph) -> int:
     moved = 0
     # bucket reductions, in issue order (collectives never move here, so neither does that order)
     issues = [n for n in graph.nodes
-              if _is_reduce_phase(n) and _is_collective(n) and collective_kind(n) == "all_reduce"]
+              if _is_reduce_phase(n) and _is_collective(n) and collective_kind(n) in _REDUCTIONS]
     for hook in [n for n in graph.nodes if handoff.is_hand_off(n)]:
         position = {n: i for i, n in enumerate(graph.nodes)}
         candidates, stack = set(), [hook]

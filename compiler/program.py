@@ -30,11 +30,13 @@ import torch.fx as fx
 from . import _dtensor as dt
 from ._torch import pytree, with_code
 from .cache import CompileCache
+from .fsdp import GatherPlan
 from .garbage import collector_paused
 from .lengths import CannotFit, LengthFit, affine_in_length, fit
 from .logic_io import dumps_fit, dumps_program, graph_text, loads_fit, loads_program
 from .lower import lower
 from .propagate import propagate_graph
+from .recompute import recomputed
 from .reduce import BUCKET_BYTES, OutputPlan, StageOutputPlan
 from .sharding import ShardingDecisions, mixes_rows, reads_coordinate
 from .stages import Stage, split_forward_backward, stage_joint
@@ -62,6 +64,11 @@ class StageMesh:
     # what runs the programs ("eager" or "inductor"): their attention is written as the device's fused
     # kernels when they are lowered (`attention.fuse_attention`); None: left to run time
     runner: str | None = None
+    # fsdp (`compiler.fsdp`): the placements parameters are stored in where they differ from
+    # `param_placements` (the ones they compute in), and each parameter's unit
+    param_storage: dict[str, tuple] | None = None
+    units: dict[str, str] | None = None
+    recompute: str = "none"  # activation recomputation (`compiler.recompute`)
 
 
 @dataclass
@@ -172,10 +179,16 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     if reduce and stage is not None:
         raise ValueError("reduce=True lowers a whole model (stage=None); pipeline stages defer their reduction")
     if stage is None:
-        graph, param_names, n_out, is_last = (logic.joint if train else logic.forward).graph, logic.param_names, 0, True
+        gm, param_names, n_out, is_last = (logic.joint if train else logic.forward), logic.param_names, 0, True
+        forward_outputs = 2 if logic.split_loss else 1
     else:
-        graph = (stage_joint(logic, stage) if train else stage.forward).graph
+        gm = stage_joint(logic, stage) if train else stage.forward
         param_names, n_out, is_last = stage.param_names, len(stage.acts_out), stage.is_last
+        forward_outputs = n_out + (2 if is_last else 1)
+    # fsdp: parameters stored sharded; what the backward reads of them it gathers again (`recomputed`)
+    storage = where.param_storage or {}
+    sharded = frozenset(i for i, n in enumerate(param_names) if n in storage)
+    graph = (recomputed(gm, where.recompute, forward_outputs, sharded) if train else gm).graph
     mesh, axis, dp, cp = where.mesh, where.axis, where.dp, where.cp
     ndim = mesh.ndim
     phs = [n for n in graph.nodes if n.op == "placeholder"]
@@ -213,6 +226,13 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     specs = [dt.make_spec(mesh, where.param_placements[n],
                           torch.empty(logic.param_shapes[n], dtype=logic.param_dtypes[n], device="meta"))
              for n in param_names]
+    # fsdp: the parameters arrive (and their gradients leave) in the placements they are stored in
+    stored_specs = [dt.DTensorSpec(mesh, tuple(storage[n]), s.tensor_meta) if n in storage else s
+                    for n, s in zip(param_names, specs)]
+    gathers = None
+    if storage:
+        gathers = GatherPlan(tuple((i, where.units[n], stored_specs[i], specs[i]) for i, n in enumerate(param_names)
+                                   if stored_specs[i].placements != specs[i].placements), axis["dp"])
     specs += [dt.make_spec(mesh, (dt.Replicate(),) * ndim, b.to("meta")) for b in buffers]
     for shape, dtype, along_seq in zip(virtual, input_dtypes, cp_inputs):
         placements = [dt.Replicate()] * ndim
@@ -231,13 +251,15 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     key = None
     what = (graph_text(graph), tuple(mesh.mesh.shape), mesh.mesh_dim_names, dp, cp, where.sp, strict,
             [dt.encode_placements(where.param_placements[n]) for n in param_names],
+            [(n, dt.encode_placements(storage[n]), where.units[n]) for n in param_names if n in storage],
             [(tuple(b.shape), b.dtype) for b in buffers], list(input_dtypes), ndim)
     if decided is None and cache is not None:
         key = cache.key(*what)
         decided = cache.get(key)
     # this rank's example inputs, on its device (real tensors: make_fx fakes them itself, and DTensor's
     # uneven _StridedShard gather reads index tensors that inputs faked here would make data-dependent)
-    local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype, device=where.device) for s in specs]
+    local = [torch.empty(dt.local_shape(s), dtype=s.tensor_meta.dtype, device=where.device)
+             for s in stored_specs + specs[n_p:]]
     n_losses = 2 if is_last else 1
     deferred = [] if reduce else \
         list(range(n_out, n_out + n_losses)) + (list(range(n_out + n_losses, n_out + n_losses + n_p)) if train else [])
@@ -305,7 +327,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             decisions = sharding.placements()
             if reduce:
                 plan = OutputPlan(split_loss=logic.split_loss, num_losses=2 if logic.split_loss else 1,
-                                  param_specs=tuple(specs[:n_p]) if train else ())
+                                  param_specs=tuple(stored_specs) if train else (),
+                                  **(fsdp_units(param_names, where) if train else {}))
             else:
                 out_vals = [n.meta["val"] for n in _leaves(graph)]
                 # activations, in the next stage's layout
@@ -317,7 +340,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
             # ranks that differ only in their dp coordinate lower the same program unless it reads that
             # coordinate (`sharding.reads_coordinate`): the first to get here lowers it for the others
             one_for_all = cache is not None and dp_dim is not None and not reads_coordinate(
-                sharding, graph, dp_dim, _plan_redistributions(plan, sharding.output_specs))
+                sharding, graph, dp_dim, _plan_redistributions(plan, sharding.output_specs)) \
+                and (gathers is None or gathers.even())
             if dp_dim is not None and cache is not None:
                 decisions = replace(decisions, dp_shared=one_for_all)
         except BaseException:
@@ -351,7 +375,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 # with the DP reduction inside, its buckets reduced behind the rest of the backward
                 gm = lower(graph, sharding, local, plan, mesh, bucket_bytes, device=where.device,
                            traced=None if memo is None else memo.setdefault("traced", {}), reduce_early=reduce,
-                           attention=attention, codeless=sample)
+                           attention=attention, codeless=sample, fsdp=gathers)
             except BaseException:
                 if shared is not None:
                     cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)
@@ -387,12 +411,24 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         joint=gm, forward=gm, backward=None, train=train, is_last=is_last, n_acts_out=n_out,
         n_losses=n_losses, n_params=n_p, send_grads=tuple(dtype.is_floating_point for _, dtype in recv_acts),
         recv_acts=recv_acts, recv_grads=recv_grads, deferred_specs=deferred_specs,
-        param_specs=specs[:n_p], propagate_seconds=propagate_seconds,
+        param_specs=stored_specs, propagate_seconds=propagate_seconds,
         decisions=decisions, replayed=sharding.replayed if sharding is not None else 0, loaded=loaded,
         mixes_rows=mixed, replayed_all=replayed_all, cache_key=stored)
     if not sample:  # (a sample's passes are cut when it is `completed`)
         program = program.with_passes(gm)
     return replace(program, seconds=time.perf_counter() - t0)
+
+
+def fsdp_units(param_names: list[str], where: StageMesh) -> dict:
+    """The OutputPlan fields of a program whose gradients are reduce-scattered per fsdp unit: the
+    units' parameter indices, the last unit first (the order the backward makes them)."""
+    if not where.param_storage:
+        return {}
+    members: dict[str, list[int]] = {}
+    for i, n in enumerate(param_names):
+        if n in where.param_storage:
+            members.setdefault(where.units[n], []).append(i)
+    return {"units": tuple(tuple(m) for m in reversed(members.values())), "dp_dim": where.axis["dp"]}
 
 
 def completed(sample: StageProgram) -> StageProgram:

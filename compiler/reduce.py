@@ -23,6 +23,7 @@ from ._torch import (
     pytree,
     with_code,
 )
+from .fsdp import is_scattered, reduce_scatter_unit
 from .sharding import GraphSharding
 
 aten = torch.ops.aten
@@ -36,6 +37,10 @@ class OutputPlan:
     split_loss: bool
     num_losses: int  # 2 when (num, den), else 1
     param_specs: tuple  # the layout every gradient must end in (empty for a forward-only graph)
+    # fsdp (`compiler.fsdp`): the gradients of each unit (parameter indices, the last unit's first:
+    # the backward's order), reduce-scattered together over mesh dim `dp_dim` into their shards
+    units: tuple[tuple[int, ...], ...] = ()
+    dp_dim: int | None = None
 
 @dataclass(frozen=True)
 class StageOutputPlan:
@@ -84,13 +89,15 @@ def _tag_phases(graph: fx.Graph, forward_outputs: int | tuple[int, ...]) -> None
 def _partial_dims(spec) -> tuple[int, ...]:
     return tuple(i for i, p in enumerate(spec.placements) if p.is_partial())
 
-def gradient_buckets(leaves, specs, num_losses: int, bucket_bytes: int) -> dict[tuple, list[list[int]]]:
+def gradient_buckets(leaves, specs, num_losses: int, bucket_bytes: int,
+                     skip: frozenset[int] = frozenset()) -> dict[tuple, list[list[int]]]:
     """The gradient buckets of a program's end: per set of partial mesh dims, lists of output
     indices, gradients in reverse order (the backward produces the last layers first). The loss
     numerator and denominator ride along with the first bucket of their kind, so that every
     gradient is final (divided by the global denominator) once its own bucket is reduced.
-    `leaves`: the outputs' local values (tensors or meta tensors)."""
-    order = list(range(num_losses)) + list(range(len(leaves)))[num_losses:][::-1]
+    `leaves`: the outputs' local values (tensors or meta tensors); `skip`: outputs reduced otherwise
+    (fsdp's reduce-scattered gradients, `scattered_units`)."""
+    order = list(range(num_losses)) + [i for i in range(len(leaves))[num_losses:][::-1] if i not in skip]
     groups: dict[tuple, list[list[int]]] = {}
     for i in order:
         dims = _partial_dims(specs[i])
@@ -121,6 +128,10 @@ class OnTensors:
         from torch.distributed import _functional_collectives as funcol
 
         return funcol.all_reduce(x, "sum", (mesh, dim))
+
+    @staticmethod
+    def traced(key, fn, inputs):
+        return fn(*inputs)
 
 class OnProgram:
     """`finish_outputs`'s operations emitted into a program under construction, by its builder: the nodes
@@ -170,6 +181,10 @@ class OnProgram:
     def div(self, x, y):
         return self._call(aten.div.Tensor, x, y)
 
+    def traced(self, key, fn, inputs):
+        """`fn(*inputs)` traced by make_fx (once per `key`) and copied in (`_ProgramBuilder.inline`)."""
+        return self.program.inline(key, fn, list(inputs), self.source)
+
     def all_reduce(self, x, mesh, dim: int):
         # the collective's value is its input's shape: no kernel to run for it
         group = mesh.get_group(dim).group_name
@@ -180,17 +195,27 @@ def finish_outputs(leaves, specs, plan: OutputPlan, mesh, bucket_bytes, ops=OnTe
     """Reduce partial outputs in buckets, divide by the loss denominator, put grads in param layout.
     `ops`: on tensors (traced), or emitted into a program (`OnProgram`)."""
     reduced = list(leaves)
-    for dims, buckets in gradient_buckets([ops.value(v) for v in leaves], specs, plan.num_losses, bucket_bytes).items():
+    final_specs = [
+        dt.DTensorSpec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements), s.tensor_meta)
+        for s in specs
+    ]
+    scattered = scattered_units(specs, plan)
+    for unit in scattered:  # fsdp: one reduce-scatter per unit, into the gradients' shards
+        wants = [plan.param_specs[i - plan.num_losses] for i in unit]
+        key = ("fsdp scatter", id(mesh), tuple(specs[i] for i in unit), tuple(wants))
+        outs = ops.traced(key, reduce_scatter_unit([specs[i] for i in unit], wants, plan.dp_dim),
+                          [leaves[i] for i in unit])
+        for i, out, want in zip(unit, outs, wants):
+            reduced[i], final_specs[i] = out, want
+    skip = frozenset(i for unit in scattered for i in unit)
+    for dims, buckets in gradient_buckets([ops.value(v) for v in leaves], specs, plan.num_losses, bucket_bytes,
+                                          skip).items():
         for bucket in buckets:
             flat = ops.cat([ops.flat(leaves[i]) for i in bucket])
             for d in dims:
                 flat = ops.all_reduce(flat, mesh, d)
             for i, piece in zip(bucket, ops.split(flat, [ops.value(leaves[i]).numel() for i in bucket])):
                 reduced[i] = ops.view(piece, ops.value(leaves[i]).shape)
-    final_specs = [
-        dt.DTensorSpec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements), s.tensor_meta)
-        for s in specs
-    ]
     losses, grads = reduced[: plan.num_losses], reduced[plan.num_losses:]
     for k, (g, have, want) in enumerate(zip(grads, final_specs[plan.num_losses:], plan.param_specs)):
         if have.placements != want.placements:
@@ -200,6 +225,18 @@ def finish_outputs(leaves, specs, plan: OutputPlan, mesh, bucket_bytes, ops=OnTe
         den = ops.to(den, ops.value(num).dtype)
         return (ops.div(num, den), *[ops.div(g, den) for g in grads])
     return (losses[0], *grads)
+
+def scattered_units(specs, plan: OutputPlan) -> list[list[int]]:
+    """Per fsdp unit (`plan.units`, in order), the output indices of its gradients that are
+    reduce-scattered (partial over dp, stored sharded over it: `fsdp.is_scattered`)."""
+    out = []
+    for unit in plan.units:
+        indices = [plan.num_losses + k for k in unit
+                   if is_scattered(specs[plan.num_losses + k], plan.param_specs[k], plan.dp_dim)]
+        if indices:
+            out.append(indices)
+    return out
+
 
 def _finish_stage(leaves, specs, plan: StageOutputPlan):
     out = list(leaves)

@@ -17,10 +17,13 @@ from .mesh import Mesh
 __all__ = ["DistConfig", "parse_configs", "standard_configs"]
 
 AXIS_NAMES = ("pp", "dp", "cp", "tp")
-_COMPACT = re.compile(r"(?:dp(\d+))?(?:tp(\d+))?(?:cp(\d+))?(?:pp(\d+))?(sp)?")
-GRAMMAR = ("write a config as its compact name, e.g. 'dp4', 'dp2tp2', 'tp4sp', 'cp4', 'tp2cp2', 'tp2pp2' (degrees of 1 "
-           "may be left out), or as key=value pairs, e.g. 'dp=2,tp=2,sp' (keys name, dp, tp, cp, pp, sp, devices); "
-           "separate several "
+_COMPACT = re.compile(r"(?:(fs)?dp(\d+))?(?:tp(\d+))?(?:cp(\d+))?(?:pp(\d+))?(sp)?(?:-(full|sel))?")
+RECOMPUTE = ("none", "selective", "full")  # DistConfig.recompute
+_RECOMPUTE_SUFFIX = {"full": "full", "sel": "selective"}  # compact names: "dp4-full", "tp4sp-sel"
+GRAMMAR = ("write a config as its compact name, e.g. 'dp4', 'dp2tp2', 'tp4sp', 'cp4', 'tp2cp2', 'tp2pp2', 'fsdp4', "
+           "'fsdp2tp2' (degrees of 1 may be left out; 'fsdp' for dp shards the parameters; '-full' or '-sel' last "
+           "recomputes activations: 'tp4sp-sel'), or as key=value pairs, e.g. 'dp=2,tp=2,sp' (keys name, dp, tp, cp, "
+           "pp, sp, fsdp, recompute, devices; 'dp=4,fsdp,recompute=full'); separate several "
            "configs with ';' ('dp=4;tp=4,sp'), or with ',' between compact names ('dp4,dp2tp2,tp4sp')")
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
@@ -33,6 +36,15 @@ class DistConfig:
     `cp`: context parallelism. The sequence dim of every activation is sharded over the cp axis,
     weights are replicated over it like over dp (their gradients are reduced over dp x cp), and
     attention gathers the keys and values of the other cp ranks.
+
+    `fsdp`: the data-parallel ranks shard the parameters, their gradients and optimizer state (ZeRO-3,
+    torch's FSDP2): each block's parameters are all-gathered before its forward and again before its
+    backward, its gradients reduce-scattered (`hotswitch.compiler.fsdp`). Composes with tp, sp, cp.
+
+    `recompute`: activation recomputation. "full" keeps each block's inputs and recomputes the rest of
+    its forward in the backward; "selective" keeps the matmul and attention outputs and recomputes
+    what lies between them (norms, activations, rotary embeddings: Megatron's selective recompute
+    in spirit); "none" keeps every activation the backward reads (`hotswitch.compiler.recompute`).
     """
 
     name: str
@@ -42,6 +54,8 @@ class DistConfig:
     sp: bool = False
     devices: tuple[int, ...] | None = None
     cp: int = 1
+    fsdp: bool = False
+    recompute: str = "none"
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -69,6 +83,22 @@ class DistConfig:
                 f"DistConfig {self.name!r}: sp and cp both shard the sequence, and hotswitch does not combine "
                 "them yet; use cp with plain tp (e.g. 'tp2cp2'), or tp with sp and no cp"
             )
+        if not isinstance(self.fsdp, bool):
+            raise ValueError(f"DistConfig {self.name!r}: fsdp must be True or False, got {self.fsdp!r}")
+        if self.fsdp and self.dp == 1:
+            raise ValueError(
+                f"DistConfig {self.name!r}: fsdp shards the parameters over the data-parallel ranks, so it needs "
+                "dp > 1; set dp>=2 (e.g. 'fsdp4' or 'dp=4,fsdp') or fsdp=False"
+            )
+        if self.fsdp and self.pp > 1:
+            raise ValueError(
+                f"DistConfig {self.name!r}: fsdp with pipeline parallelism is not supported (a stage's gradients "
+                "are reduced after its last micro-batch, not per block); use fsdp with dp/tp/sp/cp only "
+                "(e.g. 'fsdp2tp2'), or pp with plain dp ('dp2pp2')"
+            )
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"DistConfig {self.name!r}: recompute must be one of {', '.join(RECOMPUTE)}, got "
+                             f"{self.recompute!r}")
         if self.devices is not None:
             object.__setattr__(self, "devices", self._check_devices(self.devices))
 
@@ -180,8 +210,9 @@ class DistConfig:
                 f"must divide the device count; use a multiple of {model_parallel} devices or a config "
                 "with smaller cp/tp/pp"
             )
-        return replace(
-            self, name=self.name if name is None else name, dp=int(num_devices) // model_parallel,
+        dp = int(num_devices) // model_parallel
+        return replace(  # (fsdp over one replica is no sharding: that replica holds the parameters whole)
+            self, name=self.name if name is None else name, dp=dp, fsdp=self.fsdp and dp > 1,
             devices=None if devices is None else tuple(devices),
         )
 
@@ -203,33 +234,39 @@ class DistConfig:
                              f"{GRAMMAR}")
         compact = _COMPACT.fullmatch(spec.strip())
         if compact and spec.strip():  # (an empty string is key=value pairs with every default: one device)
-            dp, tp, cp, pp = (int(d or 1) for d in compact.groups()[:4])
-            sp = bool(compact[5])
-            return cls(default_name(dp, tp, pp, sp, cp), dp=dp, tp=tp, pp=pp, sp=sp, cp=cp)
+            fsdp = bool(compact[1])
+            dp, tp, cp, pp = (int(d or 1) for d in compact.groups()[1:5])
+            sp, recompute = bool(compact[6]), _RECOMPUTE_SUFFIX.get(compact[7], "none")
+            return cls(default_name(dp, tp, pp, sp, cp, fsdp, recompute), dp=dp, tp=tp, pp=pp, sp=sp, cp=cp,
+                       fsdp=fsdp, recompute=recompute)
         fields: dict[str, object] = {}
         for item in (part.strip() for part in spec.split(",")):
             if not item:
                 continue
             key, sep, value = (s.strip() for s in item.partition("="))
-            if key == "sp" and not sep:
+            if key in ("sp", "fsdp") and not sep:
                 value = "true"
-            if not sep and item != "sp" and _COMPACT.fullmatch(item):
+            if not sep and item not in ("sp", "fsdp") and _COMPACT.fullmatch(item):
                 raise ValueError(f"DistConfig spec {spec!r}: {item!r} is a whole config; one string is one config "
                                  f"(or use parse_configs for several); {GRAMMAR}")
-            if key not in ("name", "dp", "tp", "cp", "pp", "sp", "devices") or (key != "sp" and not sep):
+            if key not in ("name", "dp", "tp", "cp", "pp", "sp", "fsdp", "recompute", "devices") or (
+                    key not in ("sp", "fsdp") and not sep):
                 raise ValueError(f"DistConfig spec {spec!r}: cannot read {item!r}; {GRAMMAR}")
             if key in fields:
                 raise ValueError(f"DistConfig spec {spec!r} sets {key!r} twice; give each key once")
             fields[key] = _parse_value(spec, key, value)
         if "name" not in fields:
             degrees = (fields.get("dp", 1), fields.get("tp", 1), fields.get("pp", 1))
-            fields["name"] = default_name(*degrees, sp=fields.get("sp", False), cp=fields.get("cp", 1))
+            fields["name"] = default_name(*degrees, sp=fields.get("sp", False), cp=fields.get("cp", 1),
+                                          fsdp=fields.get("fsdp", False), recompute=fields.get("recompute", "none"))
         return cls(**fields)
 
     def spec(self) -> str:
         """The string `parse` reads back into this config."""
         text = f"name={self.name},dp={self.dp},tp={self.tp},pp={self.pp}" + (f",cp={self.cp}" if self.cp > 1 else "")
         text += ",sp" if self.sp else ""
+        text += ",fsdp" if self.fsdp else ""
+        text += f",recompute={self.recompute}" if self.recompute != "none" else ""
         if self.devices is not None:
             text += ",devices=" + ":".join(map(str, self.devices))
         return text
@@ -238,6 +275,7 @@ class DistConfig:
         """One line for logs, e.g. "long: dp=1 tp=4 pp=2 +sp on 8 devices"."""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         text = f"{self.name}: dp={self.dp}{cp} tp={self.tp} pp={self.pp}{' +sp' if self.sp else ''}"
+        text += (" +fsdp" if self.fsdp else "") + (f" +recompute={self.recompute}" if self.recompute != "none" else "")
         text += f" on {self.world_size} device{'s' if self.world_size > 1 else ''}"
         return text + (f" {list(self.devices)}" if self.devices is not None else "")
 
@@ -270,21 +308,27 @@ def parse_configs(configs: str | DistConfig | Iterable[str | DistConfig]) -> lis
     return configs
 
 
-def default_name(dp: int, tp: int, pp: int, sp: bool, cp: int = 1) -> str:
-    """"dp2tp4" style: the degrees above 1 (dp, tp, cp, pp order), then "sp"; "dp1" for one device."""
-    name = "".join(f"{axis}{d}" for axis, d in (("dp", dp), ("tp", tp), ("cp", cp), ("pp", pp)) if d != 1)
-    return (name or "dp1") + ("sp" if sp else "")
+def default_name(dp: int, tp: int, pp: int, sp: bool, cp: int = 1, fsdp: bool = False,
+                 recompute: str = "none") -> str:
+    """"dp2tp4" style: the degrees above 1 (dp, tp, cp, pp order; "fsdp" for a dp that shards the
+    parameters), then "sp", then "-full" or "-sel" for recomputation; "dp1" for one device."""
+    name = "".join(f"{'fsdp' if axis == 'dp' and fsdp else axis}{d}"
+                   for axis, d in (("dp", dp), ("tp", tp), ("cp", cp), ("pp", pp)) if d != 1 or (axis == "dp" and fsdp))
+    suffix = {v: k for k, v in _RECOMPUTE_SUFFIX.items()}.get(recompute)
+    return (name or "dp1") + ("sp" if sp else "") + (f"-{suffix}" if suffix else "")
 
 
 def _parse_value(spec: str, key: str, value: str):
     if key == "name":
         return value
-    if key == "sp":
+    if key == "recompute":
+        return value
+    if key in ("sp", "fsdp"):
         if value.lower() in _TRUE:
             return True
         if value.lower() in _FALSE:
             return False
-        raise ValueError(f"DistConfig spec {spec!r}: sp={value!r} is not a boolean; write sp, sp=1 or sp=0")
+        raise ValueError(f"DistConfig spec {spec!r}: {key}={value!r} is not a boolean; write {key}, {key}=1 or {key}=0")
     try:
         if key == "devices":
             return tuple(int(d) for d in value.split(":"))

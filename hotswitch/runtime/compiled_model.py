@@ -114,7 +114,7 @@ class CompiledModel:
         self._states: dict[str, ConfigState] = {}
         for c in configs:  # (a pp > 1 config cuts the model now: one that cannot be cut fails at compile time)
             self._states[c.name] = make_config_state(
-                c, self.roles, self.logic.param_names, rank=self.rank, device=self.device, runner=self._runner.kernels,
+                c, self.roles, self.logic.param_shapes, rank=self.rank, device=self.device, runner=self._runner.kernels,
                 split=self._split(c.pp) if c.pp > 1 else None)
         self._local: dict[str, torch.Tensor] = {}
         self._grads: dict[str, torch.Tensor] | None = None

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.distributed.device_mesh import DeviceMesh
 
+from hotswitch.compiler.fsdp import storage_placements, units
 from hotswitch.compiler.lengths import LengthFit
 from hotswitch.compiler.program import StageMesh, StageProgram
 from hotswitch.compiler.sharding import ShardingDecisions
@@ -64,12 +65,18 @@ class ConfigState:
     lengths: dict[tuple, LengthFamily] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # where this rank computes
     runner: str | None = None  # the backend whose fused attention kernels its programs get (StageMesh.runner)
+    # fsdp: the placements parameters compute in (`param_specs` is where they are stored), and their units
+    compute_specs: dict[str, tuple] | None = None
+    units: dict[str, str] | None = None
 
     @property
     def where(self) -> StageMesh:
         """The stage's mesh and placements, as the compiler's lowering takes them."""
-        return StageMesh(self.mesh, self.axis, self.config.dp, self.config.sp, self.param_specs, self.config.name,
-                         self.device, cp=self.config.cp, runner=self.runner)
+        compute = self.compute_specs or self.param_specs
+        storage = {n: p for n, p in self.param_specs.items() if p != compute[n]} or None
+        return StageMesh(self.mesh, self.axis, self.config.dp, self.config.sp, compute, self.config.name,
+                         self.device, cp=self.config.cp, runner=self.runner, param_storage=storage,
+                         units=self.units if storage else None, recompute=self.config.recompute)
 
     def coordinate(self, axis_name: str) -> int:
         """This rank's coordinate along mesh axis `axis_name` (0 where the mesh has no such axis)."""
@@ -94,19 +101,24 @@ class ConfigState:
                      for s, along_seq in zip(shapes, sequence_inputs))
 
 
-def make_config_state(config: DistConfig, roles: TPRoles, param_names: list[str], *, rank: int, device: torch.device,
-                      runner: str | None, split: StageSplit | None) -> ConfigState:
+def make_config_state(config: DistConfig, roles: TPRoles, param_shapes: dict[str, torch.Size], *, rank: int,
+                      device: torch.device, runner: str | None, split: StageSplit | None) -> ConfigState:
     """`config`'s state on this rank: its mesh (the stage's, under pp > 1, whose cut `split` is) and
-    every parameter's placements. A collective under pp > 1 (the groups of parameters shared by stages)."""
+    every parameter's placements (under fsdp: stored sharded over dp, `compiler.fsdp`). A collective
+    under pp > 1 (the groups of parameters shared by stages)."""
     axis = {a: i for i, a in enumerate(config.stage_axes)}
-    specs = param_placements(roles, param_names, config.tp, axis.get("tp"), len(axis), config.name)
+    compute = param_placements(roles, list(param_shapes), config.tp, axis.get("tp"), len(axis), config.name)
+    specs, fsdp = compute, {}
+    if config.fsdp:
+        specs = storage_placements(compute, param_shapes, axis["dp"], config.dp)
+        fsdp = dict(compute_specs=compute, units=units(list(param_shapes)))
     if config.pp == 1:
-        return ConfigState(config, config.device_mesh(device.type), axis, specs, device=device, runner=runner)
+        return ConfigState(config, config.device_mesh(device.type), axis, specs, device=device, runner=runner, **fsdp)
     # pp > 1: a (pp, dp, cp, tp) mesh; stage s runs on its (dp, cp, tp) slice, where parameters are placed
     full = config.device_mesh(device.type)
     mesh = full[config.stage_axes[0]] if len(config.stage_axes) == 1 else full[config.stage_axes]
     st = ConfigState(config, mesh, axis, specs, full_mesh=full, stage=int(full.get_coordinate()[0]),
-                     device=device, runner=runner)
+                     device=device, runner=runner, **fsdp)
     # parameters shared by stages (a tied embedding): the copies' gradients are summed over the
     # ranks at the same (dp, tp) coordinate of those stages. Every rank creates every group.
     grid = full.mesh.reshape(config.pp, -1)
@@ -146,7 +158,8 @@ def parameter_layouts(st: ConfigState, param_shapes: dict[str, torch.Size], spli
 
 
 def layouts_on(config: DistConfig, devices, roles: TPRoles, param_shapes: dict[str, torch.Size]) -> dict[str, Layout]:
-    """{parameter name: Layout} under a pp = 1 `config` laid out on `devices` (any ids): pure."""
+    """{parameter name: Layout} under a pp = 1 `config` laid out on `devices` (any ids): pure (as
+    `make_config_state` places them: fsdp's shards too)."""
     if config.pp > 1:
         raise ValueError(f"layouts_for supports pp = 1 configs, got {config.name!r} (pp={config.pp})")
     devices = [int(d) for d in devices]
@@ -155,6 +168,8 @@ def layouts_on(config: DistConfig, devices, roles: TPRoles, param_shapes: dict[s
     mesh = config.compute_mesh(devices)
     tp_dim = mesh.axis_index("tp") if "tp" in mesh.axis_names else None
     placements = param_placements(roles, list(param_shapes), config.tp, tp_dim, mesh.ndim, config.name)
+    if config.fsdp:
+        placements = storage_placements(placements, param_shapes, mesh.axis_index("dp"), config.dp)
     return {n: Layout(tuple(shape), mesh, tuple(from_torch(p) for p in placements[n]))
             for n, shape in param_shapes.items()}
 
