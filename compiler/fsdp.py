@@ -125,9 +125,9 @@ def gather_unit(storage_specs: Sequence, compute_specs: Sequence, dp_dim: int):
 def reduce_scatter_unit(have_specs: Sequence, want_specs: Sequence, dp_dim: int):
     """A function of a unit's gradients (partial sums over dp, in `have_specs`) giving this rank's
     shards of their sums (in `want_specs`): one reduce-scatter over the dp mesh dim of a flat buffer
-    that holds every rank's chunks in rank order (each padded to its parameter's chunk size), then
-    an all-reduce over the other mesh dims the gradients are partial on (sequence parallelism's norm
-    weights, context parallelism's ranks). For make_fx to trace."""
+    that holds every rank's chunks in rank order (each padded to its parameter's chunk size), then,
+    for the gradients also partial on other mesh dims (sequence parallelism's norm weights, context
+    parallelism's ranks), one all-reduce of those shards together per such dim. For make_fx to trace."""
     from torch.distributed import _functional_collectives as funcol
 
     mesh = want_specs[0].mesh
@@ -135,7 +135,8 @@ def reduce_scatter_unit(have_specs: Sequence, want_specs: Sequence, dp_dim: int)
     rank = mesh.get_coordinate()[dp_dim]
     shapes = [dt.local_shape(s) for s in have_specs]
     chunks = [_chunking(w, dp_dim, shape[w.placements[dp_dim].dim]) for w, shape in zip(want_specs, shapes)]
-    others = sorted({i for s in have_specs for i, p in enumerate(s.placements) if p.is_partial() and i != dp_dim})
+    # per gradient, the other mesh dims it is a partial sum over (`is_scattered`: they end Replicate)
+    others = [tuple(i for i, p in enumerate(s.placements) if p.is_partial() and i != dp_dim) for s in have_specs]
 
     def run(*grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
         pieces = []
@@ -145,15 +146,18 @@ def reduce_scatter_unit(have_specs: Sequence, want_specs: Sequence, dp_dim: int)
                 g = torch.cat([g, g.new_zeros((dp * c - g.shape[0], *g.shape[1:]))])
             pieces.append(g.reshape(dp, -1))
         mine = funcol.reduce_scatter_tensor(torch.cat(pieces, dim=1).reshape(-1), "sum", 0, (mesh, dp_dim))
-        for d in others:
-            mine = funcol.all_reduce(mine, "sum", (mesh, d))
-        out, offset = [], 0
-        for shape, (dim, c, sizes) in zip(shapes, chunks):
+        flat = list(mine.split([p.shape[1] for p in pieces]))
+        for dims in sorted(set(others) - {()}):
+            members = [k for k, o in enumerate(others) if o == dims]
+            summed = torch.cat([flat[k] for k in members])
+            for d in dims:
+                summed = funcol.all_reduce(summed, "sum", (mesh, d))
+            for k, piece in zip(members, summed.split([flat[k].numel() for k in members])):
+                flat[k] = piece
+        out = []
+        for piece, shape, (dim, c, sizes) in zip(flat, shapes, chunks):
             rest = [s for d, s in enumerate(shape) if d != dim]
-            n = c * math.prod(rest)
-            piece = mine[offset:offset + n].view(c, *rest)[:sizes[rank]]
-            out.append(piece.movedim(0, dim).contiguous())
-            offset += n
+            out.append(piece.view(c, *rest)[:sizes[rank]].movedim(0, dim).contiguous())
         return tuple(out)
 
     return run
