@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from hotswitch.distconfig import fsdp_dim
+
 from . import _dtensor as dt
 
 __all__ = ["GatherPlan", "gather_unit", "prefetch_gathers", "reduce_scatter_unit", "storage_placements", "units"]
@@ -49,17 +51,13 @@ def units(param_names: Sequence[str]) -> dict[str, str]:
 
 def storage_placements(compute: dict[str, tuple], shapes: dict[str, Sequence[int]], dp_axis: int,
                        dp: int) -> dict[str, tuple]:
-    """Each parameter's placements with the dp axis sharding it: on the first dim that no other mesh
-    axis shards and that has at least `dp` entries (every rank a non-empty shard). A parameter
-    with no such dim (a tensor-parallel bias) stays whole over dp, as FSDP2 leaves tiny tensors."""
+    """Each parameter's placements with the dp axis sharding it on `distconfig.fsdp_dim` (Shard(0)
+    unless tensor parallelism has it); a parameter with no such dim stays whole over dp."""
     out = {}
     for name, placements in compute.items():
-        taken = {p.dim for p in placements if p.is_shard()}
-        dim = next((d for d, size in enumerate(shapes[name]) if d not in taken and size >= dp), None)
-        if dim is None or not placements[dp_axis].is_replicate():
-            out[name] = placements
-        else:
-            out[name] = tuple(dt.Shard(dim) if i == dp_axis else p for i, p in enumerate(placements))
+        dim = fsdp_dim(shapes[name], placements, dp_axis, dp)
+        out[name] = placements if dim is None else tuple(
+            dt.Shard(dim) if i == dp_axis else p for i, p in enumerate(placements))
     return out
 
 

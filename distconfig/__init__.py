@@ -9,7 +9,7 @@ and pure planning start without it.
 from .config import GRAMMAR, DistConfig, parse_configs, standard_configs
 from .layout import Box, Layout
 from .mesh import Mesh
-from .placement import Partial, Placement, Replicate, Shard, from_torch, to_torch
+from .placement import Partial, Placement, Replicate, Shard, from_torch, fsdp_dim, to_torch
 from .stages import balanced_split
 from .topology import Topology
 
@@ -26,6 +26,7 @@ __all__ = [
     "Topology",
     "balanced_split",
     "from_torch",
+    "fsdp_dim",
     "parse_configs",
     "standard_configs",
     "to_torch",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "REDUCE_OPS", "to_torch", "from_torch"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "REDUCE_OPS", "fsdp_dim", "to_torch", "from_torch"]
 
 # The reductions c10d (and so DTensor's Partial) can apply when a partial value is reduced.
 REDUCE_OPS = ("sum", "avg", "product", "min", "max")
@@ -78,6 +78,19 @@ class Partial(_PlacementKind):
 
 
 Placement = Shard | Replicate | Partial
+
+
+def fsdp_dim(shape, placements, dp_axis: int, dp: int) -> int | None:
+    """The tensor dim fsdp shards a parameter on over the data-parallel mesh axis `dp_axis` (`dp`
+    ranks), given its placements without fsdp (ours or torch's): the first dim that no other axis
+    shards and that has at least `dp` entries, so that every rank holds a non-empty piece; None
+    where the parameter stays whole over dp (no such dim, as FSDP2 leaves a tensor-parallel bias of
+    fewer entries than ranks, or the dp axis already places it). The compiler stores parameters so
+    (`compiler.fsdp`) and the cluster planner prices the same layouts (`switch.cluster`)."""
+    if not placements[dp_axis].is_replicate():
+        return None
+    taken = {p.dim for p in placements if p.is_shard()}
+    return next((d for d, size in enumerate(shape) if d not in taken and size >= dp), None)
 
 
 def to_torch(p: Placement):

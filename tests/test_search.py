@@ -73,7 +73,11 @@ def test_space_is_pruned_by_heads_nodes_and_layers():
     assert "tp4" in {c.name for c in enumerate_configs(gqa, Topology(4, 4)).configs}  # kv heads replicated
     assert "kv" in dict(enumerate_configs(gqa, Topology(3, 3)).pruned)["tp3"]  # 3 and 2 kv heads do not divide
     trainer_space = enumerate_configs(describe_workload(_meta_model("gpt-small")), Topology(4, 4))
-    assert {c.name for c in trainer_space.configs} == {"dp4", "dp2tp2", "dp2tp2sp", "tp4", "tp4sp"}
+    assert {c.name for c in trainer_space.plain} == {"dp4", "dp2tp2", "dp2tp2sp", "tp4", "tp4sp"}
+    # each with recomputation none, selective or full, and with fsdp where dp > 1
+    variants = {c.name for c in trainer_space.configs} - {c.name for c in trainer_space.plain}
+    assert {"dp4-sel", "dp4-full", "fsdp4", "fsdp4-full", "fsdp2tp2sp-sel", "tp4sp-full"} <= variants
+    assert len(trainer_space.configs) == 3 * (2 * 3 + 2)  # dp4, dp2tp2, dp2tp2sp with fsdp or not; tp4, tp4sp
 
 
 def test_pareto_front_keeps_exactly_the_undominated():
@@ -350,3 +354,19 @@ def test_profiled_planning_on_one_device():
                                                                            default.per_collective)
     with pytest.raises(SystemExit, match="--profile runs every config's rank on this machine"):
         main(["configs", "--model", "gpt3-175b", "--devices", "64", "--profile", "--plot", ""])
+
+
+def test_a_long_length_chooses_recomputation_over_more_tensor_parallelism():
+    """Llama-2-7B on 8 GPUs, 4K and 32K tokens, 100 GiB per rank: at 32K every plain config that fits
+    shards more over tp and is slower than recomputing (with fsdp) at tp 2."""
+    from hotswitch.search.space import plain
+
+    budget = 100 * 2**30
+    r = search_configs("llama2-7b", topology=Topology(8, 8), lengths={4096: 8 * 4096 * 8, 32768: 8 * 32768},
+                       memory_budget_bytes=budget, micro_batch_tokens=8192)
+    chosen = r.estimate(r.assignment[32768], 32768)
+    assert chosen.config.recompute != "none", r.assignment
+    fits = [e for e in r.estimates[32768]
+            if plain(e.config) is e.config and e.peak_bytes + r.base_optimizer_bytes <= budget]
+    assert fits and all(e.seconds > chosen.seconds and e.config.tp > chosen.config.tp for e in fits), \
+        [(e.name, e.seconds) for e in fits]

@@ -10,7 +10,8 @@ the Trainer), and so is every switch between them (`Trainer.measure_switches`: o
 fixed cost dwarfs its transfers, on NCCL it does not). The rates fitted to them (`cost.calibrate`,
 `cost.calibrate_switches`) price every config and every switch; every config of the space is
 lowered at the shortest length (not run) so that its communication is priced by the collectives its
-ExecGraph issues (`search.comm`), not by Megatron's rules. The candidate set
+ExecGraph issues (`search.comm`), not by Megatron's rules (its fsdp and recomputation variants by
+those plus what the variant changes by the rules). The candidate set
 the search chooses is what the user's Trainer then runs; it profiles those configs at its own
 buckets and assigns them per bucket as usual. Collective: call on every rank.
 """
@@ -80,12 +81,13 @@ def auto_configs(model: torch.nn.Module, measure: Callable[[list[DistConfig], li
                                                                                 length_multiple)
     hardware = Hardware() if torch.cuda.is_available() else Hardware.cpu()
     space = enumerate_configs(workload, topology)
-    probe_configs = calibration_configs(space.configs)
+    probe_configs = calibration_configs(space.plain)
     probe_lengths = sorted({lengths[0], lengths[-1]})
     probe_lengths = [L for L in probe_lengths if all(L % c.sequence_shards == 0 for c in probe_configs)] or lengths
     say(f"auto configs: measuring {', '.join(c.name for c in probe_configs)} at lengths {probe_lengths} "
         "to calibrate the cost model")
-    probes, switch_probes, comm = measure(list(space.configs), probe_configs, probe_lengths)
+    # (fsdp and recomputation variants are priced from their plain config's collectives: `cost.micro_batch_work`)
+    probes, switch_probes, comm = measure(list(space.plain), probe_configs, probe_lengths)
     result = search_configs(workload, world_size=world, lengths=lengths, memory_budget_bytes=memory_budget_bytes,
                             topology=topology, micro_batch_tokens=micro_batch_tokens, probes=probes,
                             switch_probes=switch_probes, comm_profiles=comm, hardware=hardware, zero1=zero1)

@@ -87,8 +87,10 @@ def comm_profile(gm: fx.GraphModule, config: str, tokens: int, groups: Mapping[s
             raise ValueError(f"collective {node.name} runs on process group {group!r}, which is none of the config's "
                              f"groups {sorted(groups)}")
         size, span = groups[group]
-        phase = node.meta.get("custom", {}).get("phase")
-        out.append(Collective(kind, value.numel() * value.element_size(), size, span, phase != "reduce"))
+        custom = node.meta.get("custom", {})
+        # fsdp's gathers move weights, whatever the phase they serve (`compiler.fsdp`)
+        per_token = custom.get("phase") != "reduce" and custom.get("fsdp") != "gather"
+        out.append(Collective(kind, value.numel() * value.element_size(), size, span, per_token))
     return CommProfile(config, tokens, tuple(out))
 
 

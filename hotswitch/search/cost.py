@@ -34,6 +34,16 @@ optimizer runs once per step in the base config: AdamW's passes over the base's 
 (1/dp of them under ZeRO-1, plus an all-gather of the updated masters), priced by `per_byte`
 (`optimizer_seconds`).
 
+**Recomputation and FSDP** (`DistConfig.recompute`, `DistConfig.fsdp`; `compiler.recompute`,
+`compiler.fsdp`). Full recomputation keeps a block's input and runs its forward again in the backward
+(4x the forward's FLOPs instead of 3x, the forward's tensor-parallel collectives again), so a block
+keeps one residual-stream tensor and the block being recomputed holds its activations once more;
+selective keeps the matmul and attention outputs and recomputes the norms and activations between
+them (their memory traffic again). FSDP divides the stored weights, gradients and optimizer state
+by dp, adds two gathered units (FSDP2's prefetch) and one unit's unreduced gradients to the peak,
+and trades the gradient all-reduce for an all-gather before each unit's forward and backward and a
+reduce-scatter of its gradients: 3 x (dp-1)/dp of the parameters' bytes in every micro-batch.
+
 **Memory** per rank = resident state + activations. State: compute weights, fp32 gradient
 accumulators and the graph's own gradients (`Trainer.state_bytes` plus what `compiler.memory` counts
 of the graph's outputs); the base config additionally holds fp32 masters (unless compute is fp32)
@@ -58,10 +68,11 @@ from hotswitch.distconfig import DistConfig, Topology
 from hotswitch.switch.cluster import describe_model, split_stages
 
 from .comm import CommProfile, link_bandwidth
+from .space import plain
 from .workload import Workload
 
 __all__ = ["Estimate", "Hardware", "Rates", "Work", "calibrate", "calibrate_switches", "estimate", "micro_batch_work",
-           "optimizer_seconds", "rows_per_replica"]
+           "optimizer_seconds", "rows_per_replica", "stored_params"]
 
 GRAD_ACCUMULATOR_BYTES = 4  # fp32 gradient accumulators (Trainer: cm.grad_dtype = float32)
 ADAM_BYTES = 8  # two fp32 moments per parameter
@@ -203,6 +214,23 @@ def params_per_rank(workload: Workload, tp: int, pp: int) -> int:
     return max(per_stage)
 
 
+def stored_params(workload: Workload, config: DistConfig) -> int:
+    """Parameters whose weights, gradients and optimizer state the busiest rank keeps: under fsdp
+    the dp ranks share them (`distconfig.fsdp_dim`; the few a dp rank cannot split are ignored)."""
+    params = params_per_rank(workload, config.tp, config.pp)
+    return math.ceil(params / config.dp) if config.fsdp else params
+
+
+def fsdp_unit_params(workload: Workload, config: DistConfig) -> int:
+    """Under fsdp, the parameters one rank gathers for its largest unit (a block, or the embedding or
+    head): what FSDP2 holds whole at once, twice while it prefetches the next unit."""
+    spec = describe_model(workload.model)
+    per_layer = int(spec.layer_params().max()) // config.tp
+    outside = max((p.numel // (config.tp if p.role in ("embedding", "head") and workload.head_sharded else 1)
+                   for p in spec.params if p.layer is None), default=0)
+    return max(per_layer, outside)
+
+
 # ---------------------------------------------------------------- work per micro-batch
 
 
@@ -210,7 +238,8 @@ def micro_batch_work(workload: Workload, config: DistConfig, length: int, rows: 
                      *, in_flight: int = 1, comm: CommProfile | None = None) -> Work:
     """One rank's work for a micro-batch of `rows` rows (per replica) of `length` tokens: the slowest
     stage's under pp > 1, and its activations with `in_flight` micro-batches held (pp > 1: 1F1B).
-    `comm`: the collectives of the config's compiled ExecGraph (pp = 1), priced instead of the rules."""
+    `comm`: the collectives of the config's compiled ExecGraph (pp = 1), priced instead of the rules;
+    or of its plain config (`space.plain`), priced with what fsdp and recomputation change by the rules."""
     c = workload.model
     h, a, kv, d, f, v = c.hidden, c.n_heads, c.kv_heads, c.head_dim, c.ffn_hidden, c.vocab_size
     e = workload.compute_bytes
@@ -225,11 +254,27 @@ def micro_batch_work(workload: Workload, config: DistConfig, length: int, rows: 
     scores = rows * a * length * length  # L x L attention scores of all heads
     flash = workload.flash_attention
     fused = flash or workload.fused_attention  # no L x L tensor written or kept
-    layer_flops = 3 * (2 * n * h * 2 * h / t + 2 * n * h * 2 * kv * d / kv_div + 2 * n * h * f * mlp_mats / t
-                       + 4 * scores * d / t / (2 if flash else 1))
+    forward_flops = (2 * n * h * 2 * h / t + 2 * n * h * 2 * kv * d / kv_div + 2 * n * h * f * mlp_mats / t
+                     + 4 * scores * d / t / (2 if flash else 1))
     layer_traffic = e * (36 * n * h / stream_div + 10 * n * h / t + 12 * n * f / t + (0 if fused else 10 * scores / t))
     layer_act = e * (6 * n * h / stream_div + (6 * n * h + (mlp_mats + 1) * n * f) / t
                      + (0 if fused else 2 * scores / t))
+    # activation recomputation (`compiler.recompute`): what a block keeps for its backward, and the
+    # work of computing the rest again there
+    recompute = config.recompute
+    if recompute == "full":  # the block's input kept; its whole forward again, collectives included
+        layer_flops = 4 * forward_flops
+        layer_traffic *= 4 / 3
+        kept = e * n * h / stream_div
+        recomputed = layer_act  # one block's activations live again while its backward runs
+    elif recompute == "selective":  # matmul and attention outputs kept; norms, activations recomputed
+        layer_flops = 3 * forward_flops
+        layer_traffic += e * (12 * n * h / stream_div + 4 * n * f / t)
+        kept = e * (4 * n * h / stream_div + (4 * n * h + mlp_mats * n * f) / t)
+        recomputed = layer_act - kept
+    else:
+        layer_flops = 3 * forward_flops
+        kept, recomputed = layer_act, 0.0
     head_flops = 3 * 2 * n * h * v / head_div
     head_traffic = 10 * n * v * max(e, 4) / head_div  # the loss runs in fp32
     head_act = n * v * (e + 8) / head_div  # logits, their fp32 copy and log-softmax
@@ -244,24 +289,36 @@ def micro_batch_work(workload: Workload, config: DistConfig, length: int, rows: 
     traffic = layers * layer_traffic + (head_traffic if last else 0)
     # activations of the first stage (it holds the most micro-batches in flight under 1F1B)
     first_layers = stages[0][1] - stages[0][0]
-    act, act_head = in_flight * first_layers * layer_act, head_act if pp == 1 else 0.0
-    if pp > 1 and (stages[-1][1] - stages[-1][0]) * layer_act + head_act > act:  # the last stage holds more
-        act, act_head = (stages[-1][1] - stages[-1][0]) * layer_act, head_act
+    act, act_head = in_flight * first_layers * kept + recomputed, head_act if pp == 1 else 0.0
+    if pp > 1 and (stages[-1][1] - stages[-1][0]) * kept + recomputed + head_act > act:  # the last stage holds more
+        act, act_head = (stages[-1][1] - stages[-1][0]) * kept + recomputed, head_act
 
     if comm is not None and pp == 1:
-        return Work(flops, traffic, comm.seconds(n, topology), len(comm.collectives), act, act_head)
+        seconds, count = comm.seconds(n, topology), len(comm.collectives)
+        if comm.config != config.name:  # the plain config's collectives, and what the variant changes by the rules
+            variant = micro_batch_work(workload, config, length, rows, topology, in_flight=in_flight)
+            base = micro_batch_work(workload, plain(config), length, rows, topology, in_flight=in_flight)
+            seconds = max(0.0, seconds + variant.comm_seconds - base.comm_seconds)
+            count = max(0, count + variant.collectives - base.collectives)
+        return Work(flops, traffic, seconds, count, act, act_head)
     comm_seconds, count = 0.0, 0
     message = n * h * e  # one activation of the residual stream, whole
     if t > 1:
         bw = link_bandwidth(topology, t)
         # per layer 2 all-reduces forward and 2 backward; SP replaces each by an all-gather and a
         # reduce-scatter: the same bytes (ring all-reduce = reduce-scatter + all-gather), twice the calls
-        comm_seconds += layers * 4 * 2 * (t - 1) / t * message / bw
-        count += layers * 4 * (2 if sp else 1)
+        passes = 6 if recompute == "full" else 4  # full recomputation runs the forward's collectives again
+        comm_seconds += layers * passes * 2 * (t - 1) / t * message / bw
+        count += layers * passes * (2 if sp else 1)
         if stages[slow][0] == 0:  # the vocab-parallel embedding's partial output
             comm_seconds += 2 * (t - 1) / t * message / bw
             count += 1
-    if dp > 1 and pp == 1 and workload.reduce_every_micro_batch:  # inside every micro-batch's graph
+    if config.fsdp:  # per unit: an all-gather before its forward and its backward, a reduce-scatter
+        params = params_per_rank(workload, t, pp)
+        bw = link_bandwidth(topology, dp * t)
+        comm_seconds += 3 * (dp - 1) / dp * params * e / bw
+        count += 3 * (c.n_layers + 3)  # the blocks, the embedding, the final norm and the head
+    elif dp > 1 and pp == 1 and workload.reduce_every_micro_batch:  # inside every micro-batch's graph
         params = params_per_rank(workload, t, pp)
         grad_bytes = params * e
         comm_seconds += 2 * (dp - 1) / dp * grad_bytes / link_bandwidth(topology, dp * t)
@@ -294,14 +351,16 @@ def estimate(workload: Workload, config: DistConfig, length: int, tokens: int, t
     else:  # slots of the slowest stage
         bubble = (config.pp - 1) * per_micro
         seconds = (micro_batches + config.pp - 1) * per_micro
-    params = params_per_rank(workload, config.tp, config.pp)
+    params = stored_params(workload, config)
     e = workload.compute_bytes
-    if config.dp > 1 and (config.pp > 1 or not workload.reduce_every_micro_batch):  # one all-reduce per step
-        grad = 2 * (config.dp - 1) / config.dp * params * e
+    if config.dp > 1 and not config.fsdp and (config.pp > 1 or not workload.reduce_every_micro_batch):
+        grad = 2 * (config.dp - 1) / config.dp * params * e  # one all-reduce per step
         reduce = grad / link_bandwidth(topology, config.world_size) * rates.per_comm_second + rates.per_collective
         seconds += reduce
         comm += reduce
     state = params * (e + GRAD_ACCUMULATOR_BYTES) + rates.graph_grad_scale * params * e
+    if config.fsdp:  # two units gathered at once (FSDP2's prefetch), and one unit's gradients before their scatter
+        state += 3 * fsdp_unit_params(workload, config) * e
     peak = state + rates.activation_scale * work.activation_bytes \
         + rates.head_activation_scale * work.head_activation_bytes
     optimizer = params * (ADAM_BYTES + (MASTER_BYTES if e != 4 else 0))
@@ -320,8 +379,10 @@ def optimizer_seconds(workload: Workload, base: DistConfig, topology: Topology, 
     """The step's optimizer in the base config (the Trainer's `_optimizer_step`): AdamW over the
     base's parameters per rank, or 1/dp of them under ZeRO-1, which then all-gathers the updated fp32
     masters over the base's dp ranks; then the compute weights are cast from the masters. Memory-bound:
-    priced by the calibrated `per_byte`. A base with dp = 1 has nothing for ZeRO-1 to split."""
-    params = params_per_rank(workload, base.tp, base.pp)
+    priced by the calibrated `per_byte`. A base with dp = 1 has nothing for ZeRO-1 to split, and an
+    fsdp base holds its share of every state already."""
+    params = stored_params(workload, base)
+    zero1 = zero1 and not base.fsdp
     split = base.dp if zero1 else 1
     seconds = params * (ADAMW_BYTES_PER_PARAM / split + CAST_BYTES_PER_PARAM + workload.compute_bytes) * rates.per_byte
     if zero1 and base.dp > 1:
@@ -355,7 +416,7 @@ def calibrate(workload: Workload, topology: Topology, probes: Sequence, configs:
             continue
         work = micro_batch_work(workload, config, p.length, p.rows // config.dp, topology,
                                 comm=(comm or {}).get(p.config))
-        params = params_per_rank(workload, config.tp, config.pp)
+        params = stored_params(workload, config)
         sized.append(((params * workload.compute_bytes, work.activation_bytes, work.head_activation_bytes),
                       p.peak_bytes - p.state_bytes))
         if p.seconds is not None:

@@ -37,7 +37,7 @@ from hotswitch.switch.state import StateKind
 
 from .comm import CommProfile
 from .cost import Estimate, Hardware, Rates, calibrate, calibrate_switches, estimate, optimizer_seconds
-from .space import NoConfigFits, default_base, enumerate_configs
+from .space import NoConfigFits, default_base, enumerate_configs, plain
 from .workload import Workload, describe_workload
 
 __all__ = ["SearchResult", "pareto_front", "search_configs"]
@@ -289,7 +289,8 @@ def search_configs(model, example_inputs=None, *, world_size: int | None = None,
                                        "shards under SP or CP)"))
                 continue
             priced.append(estimate(workload, c, length, tokens, topology, base_rates,
-                                   micro_batch_tokens=micro_batch_tokens, comm=comm.get(c.name)))
+                                   micro_batch_tokens=micro_batch_tokens,
+                                   comm=comm.get(c.name) or comm.get(plain(c).name)))
         if not priced:
             raise ValueError(f"no config can run length {length}; use lengths that are multiples of the tp degrees")
         estimates[length] = tuple(priced)
@@ -375,8 +376,8 @@ class _Chooser:
         return self.rates.switch_seconds(self.planned_seconds(a, b, first))
 
     def zero1_options(self, base: DistConfig) -> tuple[bool, ...]:
-        if base.dp == 1:
-            return (False,)  # nothing to split the optimizer state over
+        if base.dp == 1 or base.fsdp:
+            return (False,)  # nothing to split the optimizer state over (fsdp: split already)
         return (False, True) if self.zero1 is None else (self.zero1,)
 
     def choose(self, pareto: Mapping[int, tuple[Estimate, ...]], max_assignments: int) -> _Choice:

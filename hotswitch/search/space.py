@@ -1,7 +1,9 @@
 """The search space: every DistConfig a job of a given size could run, pruned by the model and the nodes.
 
-dp x tp x pp = number of devices, sp on or off wherever tp > 1 (DistConfig has no context-parallel
-axis, so none is enumerated). A config is pruned, with the reason kept for the report, when:
+dp x tp x pp = number of devices, sp on or off wherever tp > 1, fsdp on or off wherever dp > 1 and
+pp = 1, and each with activation recomputation none, selective or full (slower, less memory: they
+win a length only where memory binds). Context parallelism is not enumerated. A config is pruned,
+with the reason kept for the report, when:
 
 - tp does not fit inside a node (tp > devices per node, or does not divide it): tensor parallelism
   issues collectives in every layer, so Megatron keeps it on NVLink; the mesh puts tp innermost, so
@@ -20,12 +22,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hotswitch.distconfig import DistConfig, Topology
-from hotswitch.distconfig.config import default_name
+from hotswitch.distconfig.config import RECOMPUTE, default_name
 from hotswitch.switch.cluster import check_config
 
 from .workload import Workload
 
-__all__ = ["NoConfigFits", "Space", "default_base", "enumerate_configs"]
+__all__ = ["NoConfigFits", "Space", "default_base", "enumerate_configs", "plain"]
 
 
 class NoConfigFits(ValueError):
@@ -33,9 +35,20 @@ class NoConfigFits(ValueError):
 
 
 def default_base(configs: Sequence[DistConfig]) -> DistConfig:
-    """The most model-parallel config: it needs the least memory for masters and optimizer states
-    (the Trainer's base, and the search's)."""
-    return max(configs, key=lambda c: (c.tp * c.pp, c.sp, -c.dp))
+    """The most model-parallel config (fsdp's dp counting as model-parallel: it shards the state
+    too): it needs the least memory for masters and optimizer states (the Trainer's base, and the
+    search's)."""
+    return max(configs, key=lambda c: (c.tp * c.pp * (c.dp if c.fsdp else 1), c.sp, -c.dp))
+
+
+def plain(config: DistConfig) -> DistConfig:
+    """`config` without fsdp and recomputation: the config whose compiled collectives a variant's
+    are priced from (`cost.micro_batch_work`), so that calibration lowers each layout once."""
+    if not config.fsdp and config.recompute == "none":
+        return config
+    c = config
+    return DistConfig(default_name(c.dp, c.tp, c.pp, c.sp, c.cp), dp=c.dp, tp=c.tp, pp=c.pp, sp=c.sp, cp=c.cp,
+                      devices=c.devices)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +57,11 @@ class Space:
 
     configs: tuple[DistConfig, ...]
     pruned: tuple[tuple[str, str], ...]
+
+    @property
+    def plain(self) -> tuple[DistConfig, ...]:
+        """The configs without fsdp or recomputation (`plain`): the ones calibration measures."""
+        return tuple(c for c in self.configs if plain(c) is c)
 
 
 def _divisors(n: int) -> list[int]:
@@ -59,12 +77,15 @@ def enumerate_configs(workload: Workload, topology: Topology) -> Space:
         for pp in _divisors(n // tp):
             dp = n // (tp * pp)
             for sp in (False, True) if tp > 1 else (False,):
-                config = DistConfig(default_name(dp, tp, pp, sp), dp=dp, tp=tp, pp=pp, sp=sp)
-                reason = _reason(workload, config, n, per_node)
-                if reason:
-                    pruned.append((config.name, reason))
-                else:
-                    configs.append(config)
+                for fsdp in (False, True) if dp > 1 and pp == 1 else (False,):
+                    for recompute in RECOMPUTE:
+                        config = DistConfig(default_name(dp, tp, pp, sp, fsdp=fsdp, recompute=recompute), dp=dp,
+                                            tp=tp, pp=pp, sp=sp, fsdp=fsdp, recompute=recompute)
+                        reason = _reason(workload, config, n, per_node)
+                        if reason:
+                            pruned.append((config.name, reason))
+                        else:
+                            configs.append(config)
     return Space(tuple(configs), tuple(pruned))
 
 

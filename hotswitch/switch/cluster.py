@@ -30,6 +30,9 @@ Parameter counts (`ModelSpec.num_params`): 1.32B, 2.65B, 6.66B, 12.85B, 174.6B, 
   are replicated over tp, the rule the compiler builds (`hotswitch.compiler.tp_rules.heads_sharded`,
   shared), so a plan prices the layout a compiled model really has.
 - SP shards activations only: it does not change a parameter's layout.
+- FSDP: the dp axis shards each parameter on the first dim tp leaves whole that has at least dp
+  entries (`distconfig.fsdp_dim`, the compiler's rule), so parameters, gradients and optimizer
+  state are each held once per dp group.
 - PP: `split_stages` cuts the layers into `pp` contiguous stages balanced by parameter count
   (`hotswitch.distconfig.balanced_split`, the compiler's split too), the
   embedding (and learned positions) counted in the first stage and the final norm and LM head in the
@@ -65,7 +68,7 @@ from functools import lru_cache
 import numpy as np
 
 from hotswitch.compiler.tp_rules import heads_sharded
-from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Shard, balanced_split
+from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, Shard, balanced_split, fsdp_dim
 from hotswitch.distconfig.placement import Placement
 from hotswitch.switch.state import StateKind
 
@@ -361,6 +364,9 @@ def _layouts(spec: ModelSpec, config: DistConfig) -> tuple[tuple[str, Layout], .
             place = (Replicate(), Replicate())
         elif p.role == "embedding" and c.tied_embeddings and pp > 1:
             mesh, place = tied, (Replicate(), Replicate(), Shard(0))
+        if config.fsdp:  # the dp axis shards what tp leaves whole, as the compiler stores it
+            dim = fsdp_dim(p.shape, place, 0, dp)
+            place = place if dim is None else (Shard(dim), *place[1:])
         out.append((p.name, Layout(p.shape, mesh, place)))
     return tuple(out)
 

@@ -37,7 +37,7 @@ def profile_space(build_model: Callable[[], torch.nn.Module], workload: Workload
     model whose forward takes (input ids, targets) and returns the loss (`hotswitch.models.GPT`)."""
     say = progress or (lambda message: None)
     lengths = sorted({int(x) for x in lengths})
-    flat = [c for c in enumerate_configs(workload, topology).configs if c.pp == 1]
+    flat = [c for c in enumerate_configs(workload, topology).plain if c.pp == 1]
     jobs = [(c, lengths[0]) for c in flat]
     jobs += [(c, lengths[-1]) for c in calibration_configs(flat) if lengths[-1] != lengths[0]]
     jobs = [(c, length) for c, length in jobs if length % c.sequence_shards == 0]
