@@ -2,7 +2,7 @@
 
     python benchmarks/program_floor.py [--layers 2,8,32] [--configs dp2tp2,tp4sp] [--world-size 4]
 
-Issue 13 asks for a lowering at 8 layers within 1.5x the one at 2. This prints, per config and depth,
+The target: a lowering at 8 layers within 1.5x the one at 2. This prints, per config and depth,
 in one process (rank 0 of a fake process group of `--world-size`, the compile cache off):
 
 - **cold**: the config's first lowering in a fresh process (what `benchmarks/compile_time.py` times

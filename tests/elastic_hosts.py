@@ -312,7 +312,7 @@ def reference(batches) -> dict[str, torch.Tensor]:
 # How far an elastic job's AdamW state may be from one device's (relative norm per tensor). Each
 # layout it crosses sums gradients in its own order, and AdamW amplifies that where a gradient is
 # near its eps (1e-8): the update lr * g / (|g| + eps) then moves with g's last digits. Seen on one
-# 2-core Xeon (one thread per process, with and without session 24's changes): in the faults test a
+# 2-core Xeon (one thread per process, before and after attention ran as fused kernels): in the faults test a
 # single element of layers.0.mlp.up_proj had a step-0 gradient of 5.9e-9, and its weight ended 2.9e-5
 # (0.03 lr) from one device's, 1.3e-5 of the tensor's norm; every other tensor stayed under 2e-6. A
 # batch lost or run twice moves the state by 1e-3 or more; the run-once checks stay exact.

@@ -45,7 +45,7 @@ def qwen2():
 
 
 def check_raw_hf_model_with_keyword_inputs_and_string_configs():
-    """The issue's done-when: Qwen2ForCausalLM as it comes, configs=["dp=2", "tp2"], keyword inputs;
+    """A raw Hugging Face model: Qwen2ForCausalLM as it comes, configs=["dp=2", "tp2"], keyword inputs;
     loss, forward-only loss and every gradient within 1e-5 of one device."""
     model = qwen2()
     batch = hf_batch()

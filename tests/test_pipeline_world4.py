@@ -1,7 +1,7 @@
 """Pipeline parallelism on 4 gloo processes: pp=2 with dp=2 and with tp=2, micro-batches (1F1B, GPipe),
 equal to single-device training; switching across pipeline degrees, bit-exact.
 
-The four configs of the issue: (dp, tp, pp) = (1, 2, 2), (2, 1, 2), (4, 1, 1), (2, 2, 1). The global
+Four configs: (dp, tp, pp) = (1, 2, 2), (2, 1, 2), (4, 1, 1), (2, 2, 1). The global
 batch of 5 rows splits 3 + 2 over dp = 2 and micro-batches split those again (2 + 1, 1 + 1): every
 shape is uneven somewhere.
 """

@@ -129,7 +129,7 @@ def test_bad_input_names_the_fix():
 
 @pytest.mark.parametrize("row_length", [1024, 2048, 4096])
 def test_document_placement_fetches_at_most_half_of_zigzag_on_skewed_batches(row_length):
-    """The issue's bound on the batches `hotswitch bench cp` measures, 10 seeds each. Four rows:
+    """The document placement's bound on the batches `hotswitch bench cp` measures, 10 seeds each. Four rows:
     at most half on every batch. One row: never more than zigzag (a row that is one document is cut
     exactly as zigzag cuts it) and at most half over the 10 batches together. The work stays within
     the default balance, 1.1 x the mean, on all of them."""

@@ -353,7 +353,7 @@ def test_hf_llama_with_automatic_buckets_equals_single_device_adamw(results):
 
 
 def test_buckets_all_under_dp_step_without_switching(results):
-    """Issue 16: with no budget and every bucket under dp4, a step performs zero switches."""
+    """With no budget and every bucket under dp4, the base is dp4 and a step performs zero switches."""
     out = results["check_buckets_all_under_dp_never_switch"].raise_if_failed()[0]
     assert out["before"] == "tp4sp"  # until the first step: the most model-parallel config
     _assert_equivalent(out["steps"], worst_tensor=1e-5, configs={"dp4"})
@@ -362,7 +362,7 @@ def test_buckets_all_under_dp_step_without_switching(results):
 
 
 def test_trained_optimizer_moves_to_the_assigned_base(results):
-    """Issue 16 for elastic jobs: their new Trainers hold trained moments and still switch nothing
+    """The same for elastic jobs: their new Trainers hold trained moments and still switch nothing
     when every bucket runs under one config."""
     out = results["check_trained_optimizer_moves_base_exactly"].raise_if_failed()[0]
     assert out["before"] == "tp4sp"
