@@ -115,9 +115,25 @@ def check_fsdp_world2_hf():
             assert_equivalent("gpt2", parse_configs("fsdp2"), extra_seq=None))
 
 
+def check_trainer_with_fsdp_and_recomputation():
+    """The mixed-length Trainer over fsdp and recomputation configs, the optimizer on fsdp's shards:
+    every step equal to single-device AdamW."""
+    from hotswitch.train.trainer import Trainer
+    from tests.test_trainer_world4 import LR, _batches, _model, _reference_steps, _steps_against
+
+    model = _model("gpt")
+    batches = _batches()
+    ref = _reference_steps(model, batches)
+    configs = ["fsdp4", "dp2tp2-sel", "tp4sp-full"]
+    trainer = Trainer(model, configs, dict(name="adamw", lr=LR), buckets=[8, 16, 128], bucket_configs=configs,
+                      micro_batch_tokens=64, base="fsdp4")
+    return _steps_against(trainer, batches, ref)
+
+
 results2 = dist_fixture(2, [check_fsdp_world2_gpt, check_fsdp_world2_hf], name="results2")
 results = dist_fixture(4, [check_fsdp_gpt_equivalence, check_fsdp_llama_equivalence, check_fsdp_collectives_per_block,
-                           check_recompute_equals_keeping_activations, check_switch_between_every_kind])
+                           check_recompute_equals_keeping_activations, check_switch_between_every_kind,
+                           check_trainer_with_fsdp_and_recomputation], env={"HOTSWITCH_PACK_BACKEND": "torch"})
 
 
 def test_fsdp_equals_one_device(results):
@@ -152,3 +168,11 @@ def test_switch_between_every_kind(results):
     for worst, exact in results["check_switch_between_every_kind"].raise_if_failed():
         assert worst < 1e-5, worst
         assert exact
+
+
+def test_trainer_with_fsdp_and_recomputation_equals_single_device_adamw(results):
+    from tests.test_trainer_world4 import _assert_equivalent
+
+    steps = results["check_trainer_with_fsdp_and_recomputation"].raise_if_failed()[0]
+    _assert_equivalent(steps, worst_tensor=1e-5, configs=["fsdp4", "dp2tp2-sel", "tp4sp-full"])
+    assert {b.config for s in steps for b in s["report"].buckets} == {"fsdp4", "dp2tp2-sel", "tp4sp-full"}
