@@ -25,7 +25,8 @@ __all__ = ["FakeTensorMode", "FloorDiv", "OpName", "OpOverload", "WrittenCode", 
            "detect_fake_mode", "graph_built", "graph_module", "half_precision_math_attention", "inductor_compile",
            "inductor_default_cache_dir", "is_mutable", "lists_codegen", "map_args", "meta_like", "module_with_code",
            "module_with_lazy_graph", "op_of", "op_schema", "pytree", "python_code", "renamed_strings", "sdpa_backend",
-           "size_hint", "symbolic_fake_mode", "symbols_of", "with_code", "written_code"]
+           "size_hint", "symbolic_fake_mode", "symbols_of", "with_code", "written_code",
+           "meta_state_on"]
 
 OpOverload = torch._ops.OpOverload
 
@@ -115,6 +116,34 @@ def half_precision_math_attention():
         yield
     finally:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+
+
+@contextlib.contextmanager
+def meta_state_on(device: torch.device):
+    """Within: torch.export (non-strict) fakes a module's meta-device parameters and buffers as
+    tensors on `device` (fakes hold no data either way), so a model built under
+    `torch.device("meta")` traces as it would on `device`, beside inputs on `device`. Export's
+    helper is module-level state: wrapped here, restored on exit."""
+    from torch.export import _trace
+
+    original = _trace._fakify_params_buffers
+
+    def fakify(fake_mode, module):
+        faked, moved = original(fake_mode, module), {}
+        for name, fake in faked.items():
+            if fake.device.type == "meta":
+                if id(fake) not in moved:
+                    with fake_mode:
+                        on = torch.empty_strided(fake.shape, fake.stride(), dtype=fake.dtype, device=device)
+                    moved[id(fake)] = on.requires_grad_(fake.requires_grad)
+                faked[name] = moved[id(fake)]
+        return faked
+
+    _trace._fakify_params_buffers = fakify
+    try:
+        yield
+    finally:
+        _trace._fakify_params_buffers = original
 
 
 @contextlib.contextmanager

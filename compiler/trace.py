@@ -40,6 +40,7 @@ from ._torch import (
     detect_fake_mode,
     half_precision_math_attention,
     is_mutable,
+    meta_state_on,
     pytree,
     with_code,
 )
@@ -384,7 +385,11 @@ def trace(
     example_inputs = call.flatten_example(example_inputs)
     if dynamic_dims is None:
         dynamic_dims = {i: (0, 1) for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor) and x.dim() >= 2}
-    ep = _export(LossModule(model, call), example_inputs, dynamic_dims)
+    # a model built under torch.device("meta") traces as on its inputs' device (no weights are read)
+    on_meta = any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers()))
+    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    with meta_state_on(device) if on_meta else contextlib.nullcontext():
+        ep = _export(LossModule(model, call), example_inputs, dynamic_dims)
     sig = ep.graph_signature
     if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
         raise ValueError("the model mutates buffers or inputs in forward (e.g. running statistics); "

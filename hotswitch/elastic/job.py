@@ -134,7 +134,10 @@ class ElasticJob:
     """Runs `Trainer` steps on whatever workers the agent (`membership.run_elastic`) provides.
 
     `build_model()` returns the same model on every worker (joiners call it too; its weights are
-    used only at the start). `candidates`: DistConfigs for the initial device count, or a rule.
+    used only at the start), or one built under `torch.device("meta")` with `weights` saying where
+    the start's weights come from (see `hs.compile`: "init", a checkpoint path; later Trainers take
+    the moved or checkpointed job state and read nothing). `candidates`: DistConfigs for the initial
+    device count, or a rule.
     `batch(step)` -> (sample ids, list of 1-D token tensors) of global batch `step`.
     `trainer_options`: keyword arguments of `Trainer` (optimizer, memory_budget_bytes, buckets, ...).
     `checkpoint_dir`/`checkpoint_every`: asynchronous DCP checkpoints (step 0 and every N steps).
@@ -148,7 +151,7 @@ class ElasticJob:
                  batch: Callable[[int], tuple[list[int], list[torch.Tensor]]], *, trainer_options: dict | None = None,
                  checkpoint_dir: str, checkpoint_every: int = 2, step_timeout_s: float = 30.0,
                  on_step: Callable | None = None, on_change: Callable[[str, ElasticJob], None] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, weights=None):
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         self.membership = membership
@@ -158,6 +161,7 @@ class ElasticJob:
         if self.trainer_options.get("zero1"):
             raise ValueError("elastic training moves whole optimizer states: zero1=True is not supported yet")
         self.checkpoint_dir, self.checkpoint_every = str(checkpoint_dir), checkpoint_every
+        self.weights = weights  # the start's weights (hs.compile's `weights`)
         self.step_timeout = datetime.timedelta(seconds=step_timeout_s)
         membership.init_timeout = self.step_timeout
         self.on_step, self.on_change = on_step, on_change
@@ -230,7 +234,7 @@ class ElasticJob:
         if used != len(record.job):
             raise ElasticError(f"no candidate config uses all {len(record.job)} workers at the start; candidates "
                                f"fit {used}: start with --world-size {used}")
-        trainer = self._new_trainer(configs, self.build_model())
+        trainer = self._new_trainer(configs, self.build_model(), weights=self.weights)
         # every worker has the step-0 state (or, after a loss, nobody counts as having it: all start
         # again from the seeded model with the next generation)
         self.membership.agree_to_commit("started")
@@ -433,7 +437,10 @@ class ElasticJob:
             m.job_members = tuple(job)
         m.set_timeout(self.step_timeout)
         logic = self._layout_cm.logic if self._layout_cm is not None else None
-        trainer = self._new_trainer(configs, self._model or self.build_model(), logic=logic)
+        model = self._model or self.build_model()
+        # the job state is loaded into it below: a meta model's weights are left unread ("empty")
+        trainer = self._new_trainer(configs, model, logic=logic,
+                                    weights=W.EMPTY if W.first_meta(model) is not None else None)
         self._layout_cm = trainer.cm
         replayed = 0
         if moved is not None:
@@ -489,14 +496,14 @@ class ElasticJob:
                 for kind in JOB_STATE for n in cm.logic.param_names]
 
     # ------------------------------------------------------------------------------ pieces
-    def _new_trainer(self, configs: list[DistConfig], model: nn.Module, logic=None) -> Trainer:
+    def _new_trainer(self, configs: list[DistConfig], model: nn.Module, logic=None, weights=None) -> Trainer:
         """A Trainer whose base is `_base(configs)`, the layout the job state arrives in. Unless the user
         fixed the base, its first step may move the optimizer to a config the step visits anyway, so that a
         step whose buckets all run under one config switches nothing (elastic moves need ZeRO-1 off)."""
         self._model = model
         options = dict(self.trainer_options, zero1=False, base=self._fixed_base(configs),
                        topology=hosts_topology(self.membership.job_members[:configs[0].world_size]))
-        trainer = Trainer(model, configs, logic=logic, **options)
+        trainer = Trainer(model, configs, logic=logic, weights=weights, **options)
         assert trainer.base == self._base(configs), (trainer.base, self._base(configs))
         trainer.on_phase = self._on_phase
         return trainer

@@ -25,6 +25,7 @@ from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles
 from hotswitch.compiler.trace import LogicGraph
 from hotswitch.distconfig import DistConfig, Layout, Topology, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device
+from hotswitch.runtime import weights as W
 from hotswitch.runtime.backend import GraphRunner
 from hotswitch.runtime.config_state import ConfigState, layouts_on, make_config_state, parameter_layouts
 from hotswitch.runtime.inputs import InputSharding, checked_cp_layout
@@ -42,7 +43,8 @@ class CompiledModel:
     def __init__(self, model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
                  topology: Topology | None = None, lazy: bool = False, progress=None,
                  logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager",
-                 dynamic: bool | None = None, grad_bucket_bytes: int | None = None):
+                 dynamic: bool | None = None, grad_bucket_bytes: int | None = None, weights=None):
+        rng = torch.get_rng_state()  # weights="init" draws from here (tracing must not move it)
         if grad_bucket_bytes is not None and (isinstance(grad_bucket_bytes, bool)
                                               or not isinstance(grad_bucket_bytes, int) or grad_bucket_bytes < 1):
             raise ValueError(f"grad_bucket_bytes must be a positive number of bytes (DDP's bucket_cap_mb * 2**20), "
@@ -51,6 +53,7 @@ class CompiledModel:
             raise RuntimeError("hotswitch.compile needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU), on every rank")
         configs = parse_configs(configs)  # DistConfigs, "dp2tp2sp" or "dp=2,tp=2,sp", or "dp4;tp4sp": one grammar
+        source = W.check_source(weights, model)  # before tracing: a meta model without weights fails at once
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         # where shards, gradients and switch buffers live: the process group's device (gloo: cpu,
         # nccl: this rank's GPU); see hotswitch.distributed.device
@@ -96,12 +99,12 @@ class CompiledModel:
         self.roles: TPRoles = infer_tp_roles(
             self.logic.forward.graph, self.logic.param_names, len(self.logic.buffer_names)
         )
-        tensors = {
-            **dict(model.named_buffers(remove_duplicate=False)),
-            **dict(model.named_parameters(remove_duplicate=False)),
-        }
-        self._buffers = [tensors[n].detach().to(self.device, copy=True) for n in self.logic.buffer_names]
+        # buffers are replicated: whole on every rank (a meta model's computed by their modules' init)
+        self._buffers = W.computed_buffers(model, self.logic.buffer_names, self.device)
         self._state_keys = list(model.state_dict().keys())
+        hf = W.hf_model_of(model)  # save_pretrained writes its names, and its config
+        self._hf_prefix, self._hf_config = (hf[0], getattr(hf[1], "config", None)) if hf else ("", None)
+        self.last_load: W.LoadReport | None = None  # how this rank's weights were last read (`load_weights`)
         self._splits: dict[int, StageSplit] = {}  # pp -> the LogicGraph cut into pp stages
         self._state_dtypes: dict[str, dict[str, torch.dtype]] = {}  # attached kind -> dtype per parameter
         self.pipeline_schedule = "1f1b"  # forward_backward's default schedule for pp > 1 ("1f1b" | "gpipe")
@@ -120,14 +123,19 @@ class CompiledModel:
         self._grads: dict[str, torch.Tensor] | None = None
         self.grad_dtype: torch.dtype | None = None  # gradient accumulators' dtype; None: the parameter's
         self._param_states: dict[str, dict[str, torch.Tensor]] = {}
+        self._active = configs[0].name
+        if source == "model":  # ranks start from identical full weights: each keeps its pieces under the first config
+            params = dict(model.named_parameters(remove_duplicate=False))
+            self._local = self._pieces(self._states[self._active], {n: params[n].detach()
+                                                                    for n in self.logic.param_names})
+        else:  # each rank reads (or initializes) only its pieces: see hotswitch.runtime.weights
+            if source in (W.INIT, "init_fn"):
+                torch.set_rng_state(rng)
+            report(f"loading the weights ({source})")
+            self.load_weights(weights, model)
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
             self.exec_graph(c.name, shapes)
-        # ranks start from identical full weights: each keeps its pieces under the first config
-        self._local = self._pieces(
-            self._states[configs[0].name], {n: tensors[n].detach() for n in self.logic.param_names}
-        )
-        self._active = configs[0].name
 
     # ------------------------------------------------------------------------------- public surface
     @property
@@ -466,6 +474,43 @@ class CompiledModel:
             }
         return self._switcher.full_tensors(self._grads)
 
+    def load_weights(self, weights, model: torch.nn.Module | None = None, *, dtype: torch.dtype | None = None
+                     ) -> dict[str, torch.Tensor]:
+        """Replace the weights (in the active config's layout) by `weights`: a Hugging Face
+        save_pretrained directory or a torch.distributed.checkpoint directory (each rank reads only
+        its pieces), "init" or an init function (initializing `model`, one module at a time), or
+        "empty" (see `hotswitch.runtime.weights`). Buffers the source holds are replaced too. Returns
+        this rank's pieces in `dtype` (default: the parameters'; fp32 masters, say). A collective: call
+        on every rank, between steps. `last_load` says what was read."""
+        pieces, buffers, self.last_load = W.load(self, weights, model, dtype)
+        self._switcher.take_prefetch(None)
+        self._local = {n: p.to(self.logic.param_dtypes[n]) for n, p in pieces.items()}
+        for name, value in buffers.items():
+            self._buffers[self.logic.buffer_names.index(name)] = value
+        return pieces
+
+    def save_pretrained(self, directory, config=None, *, params: dict[str, torch.Tensor] | None = None,
+                        max_shard_bytes: int = 2 << 30) -> None:
+        """Write the weights as a Hugging Face checkpoint that `from_pretrained` reads on one process:
+        safetensors files of at most `max_shard_bytes` each, written by the ranks that gathered their
+        tensors (each tensor to one rank, never the whole model to one), the index and `config.json`
+        (`config`, default the Hugging Face model's own) by rank 0. Names are the Hugging Face model's
+        (a wrapper's prefix dropped); a tied weight is written once, as `save_pretrained` does.
+        `params`: other shards in the active layout (fp32 masters). A collective: call on every rank."""
+        from hotswitch.runtime.saving import save_pretrained
+
+        save_pretrained(self, directory, config if config is not None else self._hf_config,
+                        params=self._local if params is None else params, max_shard_bytes=max_shard_bytes)
+
+    def save_checkpoint(self, directory, *, params: dict[str, torch.Tensor] | None = None) -> None:
+        """Write the weights (and persistent buffers) as a torch.distributed.checkpoint, each rank its
+        shards, under the names of `model.state_dict()`: `hs.compile(..., weights=directory)` loads it
+        into any config, `torch.distributed.checkpoint.format_utils.dcp_to_torch_save` into one file.
+        `params`: other shards in the active layout. A collective: call on every rank."""
+        from hotswitch.runtime.saving import save_checkpoint
+
+        save_checkpoint(self, directory, params=self._local if params is None else params)
+
     def compile_seconds(self, name: str) -> float:
         st = self._state(name)
         return sum(st.compile_seconds.values()) + st.fit_seconds
@@ -532,10 +577,14 @@ class CompiledModel:
         return {n: self._slice(st, n, full[n]) for n in self._held(st)}
 
     def _slice(self, st: ConfigState, name: str, full: torch.Tensor) -> torch.Tensor:
-        spec = dt.make_spec(st.mesh, st.param_specs[name], full)
-        shape, offset = dt.local_shape_and_offset(spec)
-        index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-        return full[index].to(self.device, copy=True)
+        return full[self._box(st, name)].to(self.device, copy=True)
+
+    def _box(self, st: ConfigState, name: str) -> tuple[slice, ...]:
+        """This rank's piece of parameter `name` under `st`, one slice per dim (DTensor's rule, uneven
+        shards included): what `_slice` keeps of a full tensor, and what a checkpoint reader reads."""
+        meta = torch.empty(self.logic.param_shapes[name], dtype=self.logic.param_dtypes[name], device="meta")
+        shape, offset = dt.local_shape_and_offset(dt.make_spec(st.mesh, st.param_specs[name], meta))
+        return tuple(slice(o, o + s) for o, s in zip(offset, shape))
 
     def _pipelined(self, st: ConfigState, local_inputs, micro_batches, schedule, grad_scale: float, train: bool):
         """One step as micro-batches (and pipeline stages): see forward_backward and hotswitch.pipeline."""
@@ -620,7 +669,7 @@ class CompiledModel:
 def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = True,
             topology: Topology | None = None, lazy: bool = False, progress=None,
             logic: LogicGraph | None = None, cp_layout: str = "contiguous", backend: str = "eager",
-            dynamic: bool | None = None, grad_bucket_bytes: int | None = None) -> CompiledModel:
+            dynamic: bool | None = None, grad_bucket_bytes: int | None = None, weights=None) -> CompiledModel:
     """Trace `model` once and compile it for every config.
 
     `model`: forward returns a scalar mean loss, or an object or dict with a `loss` entry (Hugging
@@ -629,7 +678,7 @@ def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = T
     (`dict(input_ids=ids, labels=labels)`); later calls give the same names (see `shard_inputs`).
     `configs`: DistConfigs or strings ("dp2tp2sp" or "dp=2,tp=2,sp"), each over all ranks.
 
-    Call on every rank after `dist.init_process_group`, with identical weights on every rank. The
+    Call on every rank after `dist.init_process_group`, with identical weights (or `weights`) on every rank. The
     first config is active afterwards. `lazy=True` lowers
     each config's ExecGraph on its first use instead of now (switching needs only the layouts);
     `progress(message)` is called as each phase starts ("tracing", "compiling dp4", ...).
@@ -646,7 +695,12 @@ def compile(model: torch.nn.Module, example_inputs, configs, *, strict: bool = T
     programs do not fit (an uneven length, a size not affine in the length), every length is lowered.
     `grad_bucket_bytes`: the size of the buckets in which data-parallel gradients are all-reduced, each
     issued as soon as its last gradient is computed (DDP's `bucket_cap_mb`; default 25 MiB, as DDP's).
+    `weights`: where the weights come from (`hotswitch.runtime.weights`): None, the model's own
+    values (identical on every rank); for a model built under `torch.device("meta")`, "init" (its
+    own initialization, equal to one device's with the same seed: `runtime.meta_init`), a function
+    of a module (`model.apply(init_fn)`'s), or a path: a Hugging Face save_pretrained directory or a
+    torch.distributed.checkpoint directory. Each rank then holds only its pieces of the first config.
     """
     return CompiledModel(model, example_inputs, configs, strict=strict, topology=topology, lazy=lazy, progress=progress,
                          logic=logic, cp_layout=cp_layout, backend=backend, dynamic=dynamic,
-                         grad_bucket_bytes=grad_bucket_bytes)
+                         grad_bucket_bytes=grad_bucket_bytes, weights=weights)

@@ -32,6 +32,7 @@ from hotswitch.distconfig import DistConfig, Topology, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device, synchronize
 from hotswitch.kernels import cast
 from hotswitch.models import PackedCausalLMLoss, document_ids_of
+from hotswitch.runtime import weights as W
 from hotswitch.runtime.compiled_model import CompiledModel
 from hotswitch.runtime.compiled_model import compile as hs_compile
 from hotswitch.search.auto import auto_configs
@@ -169,10 +170,13 @@ class Trainer:
                  compute_dtype: torch.dtype | None = None, zero1: bool | None = None, length_multiple: int = 16,
                  profile_repeats: int = 3, strict: bool = False, topology: Topology | None = None,
                  progress: Callable[[str], None] | None = None, logic=None, prefetch: bool = True,
-                 cp_layout: str = "contiguous", backend: str = "eager", grad_bucket_bytes: int | None = None):
+                 cp_layout: str = "contiguous", backend: str = "eager", grad_bucket_bytes: int | None = None,
+                 weights=None):
+        rng = torch.get_rng_state()  # weights="init" draws from here
         if not dist.is_initialized():
             raise RuntimeError("hotswitch.Trainer needs torch.distributed: call dist.init_process_group first "
                                "(gloo on CPU, nccl on GPU) on every rank, or use `hotswitch train`")
+        W.check_source(weights, model)  # a meta model without weights fails before anything runs
         self.search = None  # configs="auto": the search that chose them (hotswitch.search.SearchResult)
         if isinstance(configs, str) and configs == "auto":
             meters = []  # a Trainer of the space, to calibrate on; its LogicGraph is reused below
@@ -181,7 +185,7 @@ class Trainer:
                 meter = Trainer(model, space, memory_budget_bytes=memory_budget_bytes, logic=logic,
                                 micro_batch_tokens=micro_batch_tokens, compute_dtype=compute_dtype,
                                 length_multiple=length_multiple, strict=strict, topology=topology, progress=progress,
-                                grad_bucket_bytes=grad_bucket_bytes)
+                                grad_bucket_bytes=grad_bucket_bytes, weights=None if weights is None else W.EMPTY)
                 meters.append(meter)
                 timed = [c.name for c in timed]
                 meter.profile(lengths, configs=timed)
@@ -239,7 +243,9 @@ class Trainer:
         # GPUs train in bf16 with fp32 masters and fp32 gradient accumulators; CPUs default to fp32
         self.compute_dtype = compute_dtype or (torch.bfloat16 if runtime_device().type == "cuda" else torch.float32)
         first_param = next(model.parameters())
-        masters_fp32 = {n: p.detach().float() for n, p in model.named_parameters(remove_duplicate=False)}
+        masters_fp32 = {n: p.detach().float() for n, p in model.named_parameters(remove_duplicate=False)} \
+            if weights is None else None  # else read shard-wise below, in fp32 (`load_weights`)
+        user_model = model
         if first_param.dtype != self.compute_dtype:
             model = copy.deepcopy(model).to(self.compute_dtype)
         self.vocab_size = _vocab_size(model)
@@ -254,7 +260,8 @@ class Trainer:
         example = self._inputs(D.full_length_micro_batch(2, self.length_multiple))
         self.cm: CompiledModel = hs_compile(self.loss_module, example, self.configs, lazy=True, topology=topology,
                                             strict=strict, logic=logic, progress=self._report, cp_layout=cp_layout,
-                                            backend=backend, grad_bucket_bytes=grad_bucket_bytes)
+                                            backend=backend, grad_bucket_bytes=grad_bucket_bytes,
+                                            weights=None if weights is None else W.EMPTY)
         self.cm.grad_dtype = torch.float32
         self.cost = CostModel(memory_budget_bytes)
         self.step_count = 0
@@ -265,9 +272,16 @@ class Trainer:
         # begin; "update" just before the optimizer changes anything (raising there leaves the
         # step-start state intact).
         self.on_phase: Callable[[str, int], None] | None = None
-        self.cm.switch(self.base)
-        self._init_optimizer(self.cm.shard_like_params(
-            {n: masters_fp32[n.removeprefix("model.")] for n in self.cm.logic.param_names}))
+        if weights is None:
+            self.cm.switch(self.base)
+            self._init_optimizer(self.cm.shard_like_params(
+                {n: masters_fp32[n.removeprefix("model.")] for n in self.cm.logic.param_names}))
+        else:  # nothing was read yet: the base reads its fp32 masters' pieces, its compute weights cast from them
+            dtypes = self.cm.logic.param_dtypes
+            self.cm.switch(self.base, weights={n: torch.empty(s, dtype=dtypes[n], device=self.cm.device)
+                                               for n, s in self.cm.local_shapes(self.base).items()})
+            torch.set_rng_state(rng)
+            self._init_optimizer(self.cm.load_weights(weights, user_model, dtype=torch.float32))
 
     # ------------------------------------------------------------------------------------ training
     def step(self, global_batch) -> StepReport:
@@ -698,14 +712,26 @@ class Trainer:
 
     def _rebase(self, base: Base) -> None:
         """Move the fp32 masters and AdamW to `base`. Before the first optimizer step (or into or out of
-        ZeRO-1 chunks, only then) the full masters are gathered and sharded anew; later (an elastic job's
-        new Trainer, loaded with a trained job state) the moments, and the masters where they are not the
-        weights, ride along with the switch's planned move as attached states."""
-        if not self.optimizer.state:
+        ZeRO-1 chunks, only then) the full masters are gathered and sharded anew; otherwise (no rank
+        ever holds the whole model) the masters where they are not the weights, and once trained (an
+        elastic job's new Trainer, loaded with a trained job state) the moments, ride along with the
+        switch's planned move as attached states."""
+        if not self.optimizer.state and (self._dp_group is not None or base.zero1):
             full = self.cm.full_state_dict(canonical=True, params=self._master_shards())
             self.base, self.zero1 = base.config, base.zero1
             self.cm.switch(self.base)
             self._init_optimizer(self.cm.shard_like_params(full))
+            return
+        if not self.optimizer.state:
+            masters = None if self._masters_are_weights else self._masters
+            if masters is not None:
+                self.cm.attach_state("master", masters)
+            try:
+                self.cm.switch(base.config)
+            finally:
+                moved = self.cm.detach_state("master") if masters is not None else self.cm.local_params
+            self.base = base.config
+            self._init_optimizer(moved)
             return
         if self._dp_group is not None or base.zero1:
             raise RuntimeError("a trained optimizer's base moves without ZeRO-1 only (its chunks are not switched)")
