@@ -44,6 +44,8 @@ from .reduce import (
 )
 from .sharding import Decision, GraphSharding
 
+aten = torch.ops.aten
+
 
 def lower(
     graph: fx.Graph,
@@ -128,7 +130,8 @@ def lower(
                 if have.placements != want.placements:
                     key = (src, want.placements)
                     if key not in moved:
-                        moved[key] = program.redistribute(value, have, want, node)
+                        moved[key] = _filled_piece(program, value, have, want, node) \
+                            or program.redistribute(value, have, want, node)
                     value = moved[key]
                 tensors.append(value)
             it = iter(tensors)
@@ -147,6 +150,27 @@ def lower(
     if fsdp is not None:
         prefetch_gathers(program.graph)
     return program.module(codeless)
+
+
+# tensor-free factories of one value everywhere (their first argument the size): any piece of what
+# they make is made by the same call at the piece's size
+_FILLED = (aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format)
+
+
+def makes_piece(target, have, want) -> bool:
+    """Is this rank's piece (`want`) of a value made by `target` in `have` made by `target` itself at
+    the piece's size? For a replicated fresh tensor of one value (the zeros an NLL loss's backward
+    scatters into), where slicing it would make the whole tensor first: under dp8 eight times a
+    [tokens x vocabulary] gradient on every rank."""
+    return target in _FILLED and all(p.is_replicate() for p in have.placements) \
+        and not any(p.is_partial() for p in want.placements)
+
+
+def _filled_piece(program: _ProgramBuilder, value: fx.Node, have, want, source: fx.Node) -> fx.Node | None:
+    """`makes_piece`'s call, or None."""
+    if not makes_piece(value.target, have, want):
+        return None
+    return program.call(value.target, (list(dt.local_shape(want)), *value.args[1:]), dict(value.kwargs), source)
 
 
 def _fsdp_reader(graph: fx.Graph, program: _ProgramBuilder, env: dict, plan: GatherPlan, mesh):

@@ -223,7 +223,8 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
     original = program.lower
 
     def both(graph, sharding, local, plan, mesh, bucket_bytes=BUCKET_BYTES, device=None, traced=None,
-             reduce_early=False, attention=None, codeless=False):
+             reduce_early=False, attention=None, codeless=False, fsdp=None):
+        assert fsdp is None, "the make_fx interpreter lowers no fsdp program"
         gm = original(graph, sharding, local, plan, mesh, bucket_bytes, device=device, traced=traced,
                       reduce_early=reduce_early, attention=attention, codeless=codeless)
         expected = lower_by_make_fx(graph, sharding, local, plan, mesh, bucket_bytes, device)

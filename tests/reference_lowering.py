@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from hotswitch.compiler import _dtensor as dt
 from hotswitch.compiler._torch import pytree
 from hotswitch.compiler.lengths import resolved_arguments
-from hotswitch.compiler.lower import placed_on
+from hotswitch.compiler.lower import makes_piece, placed_on
 from hotswitch.compiler.reduce import output_finisher
 
 __all__ = ["lower_by_make_fx", "same_program"]
@@ -30,6 +30,12 @@ def lower_by_make_fx(graph, sharding, local_inputs, out_plan, mesh, bucket_bytes
     decisions = sharding.decisions
     on_device = placed_on(device)
     finish = output_finisher(graph, sharding, out_plan, mesh, bucket_bytes)
+
+    # (local shapes read outside the trace: under make_fx DTensor's arithmetic on the mesh would be traced)
+    pieces = {(src, want.placements): list(dt.local_shape(want))
+              for d in decisions.values() if d.kind not in ("drop", "const", "getitem")
+              for src, have, want in zip(d.tensor_nodes, d.in_specs, d.want_specs)
+              if have.placements != want.placements and makes_piece(src.target, have, want)}
 
     def step(node, env, moved):
         d = decisions[node]
@@ -46,6 +52,9 @@ def lower_by_make_fx(graph, sharding, local_inputs, out_plan, mesh, bucket_bytes
             value = env[src]
             if have.placements != want.placements:
                 key = (src, want.placements)
+                if key not in moved and key in pieces:  # the piece made, not sliced (`makes_piece`)
+                    made = decisions[src]
+                    moved[key] = src.target(pieces[key], *made.args[1:], **on_device(dict(made.kwargs)))
                 if key not in moved:
                     moved[key] = dt.redistribute(value, have, want)
                 value = moved[key]
