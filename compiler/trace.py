@@ -52,11 +52,15 @@ from .signature import InputError, LossModule, ModelCall
 aten = torch.ops.aten
 
 # Ops kept whole because DTensor has a rule for them and their decompositions have none that
-# propagates well (autoparallel keeps the same ones).
+# propagates well (autoparallel keeps the same ones), and the MLP's activations, which DTensor
+# shards pointwise: decomposed, a bf16 SiLU upcasts and keeps two fp32 copies of the MLP's
+# [tokens x intermediate] for its backward (a quarter of a Llama block's activations), fused the
+# bf16 input alone.
 _KEEP = (aten.native_layer_norm.default, aten.native_layer_norm_backward.default,
          aten._softmax.default, aten._softmax_backward_data.default,
          aten._log_softmax.default, aten._log_softmax_backward_data.default,
-         aten.embedding_dense_backward.default)
+         aten.embedding_dense_backward.default,
+         aten.silu.default, aten.silu_backward.default, aten.gelu.default, aten.gelu_backward.default)
 
 
 def decomposition_table() -> dict:
