@@ -20,7 +20,8 @@ from torch.fx.node import map_aggregate
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, in sympy
 
-__all__ = ["FakeTensorMode", "FloorDiv", "OpName", "OpOverload", "WrittenCode", "add_node", "arg_leaves", "codegen",
+__all__ = ["FakeTensorMode", "FloorDiv", "OpName", "OpOverload", "WrittenCode", "add_node", "allocated_peak",
+           "arg_leaves", "codegen",
            "codeless_module", "codeless_modules", "copied_graph", "copy_node", "core_aten_decompositions",
            "detect_fake_mode", "graph_built", "graph_module", "half_precision_math_attention", "inductor_compile",
            "inductor_default_cache_dir", "is_mutable", "lists_codegen", "map_args", "meta_like", "module_with_code",
@@ -560,3 +561,16 @@ def symbolic_fake_mode(symbols: dict):
         return env.create_symintnode(expr, hint=int(expr.subs(hints)))
 
     return FakeTensorMode(shape_env=env), symint
+
+
+def allocated_peak(fn, *args):
+    """(`fn(*args)`, the most bytes of tensors it allocated that were alive at once): torch's
+    MemTracker, which follows storages through the dispatcher, so it measures a CPU run as exactly
+    as `torch.cuda.max_memory_allocated` a GPU one. Tensors alive before the call are not counted."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    with tracker:
+        out = fn(*args)
+    peak = tracker.get_tracker_snapshot("peak")
+    return out, int(sum(by_kind["Total"] for by_kind in peak.values()))

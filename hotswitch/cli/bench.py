@@ -1,4 +1,4 @@
-"""`hotswitch bench switch|train|elastic|gpu|cp|step`: the benchmarks' command lines (the measurements live in
+"""`hotswitch bench switch|train|elastic|gpu|cp|step|memory`: the benchmarks' command lines (the measurements live in
 `hotswitch.bench`)."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ __all__ = ["add_parser"]
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("bench", help="benchmarks: switch, train, elastic, gpu, cp, step",
+    p = subparsers.add_parser("bench", help="benchmarks: switch, train, elastic, gpu, cp, step, memory",
                               formatter_class=HelpFormatter,
                               description="Measure what hot switching costs and gains; 'hotswitch bench BENCH --help' "
                               "describes each.")
@@ -80,6 +80,23 @@ def add_parser(subparsers) -> None:
     q.add_argument("--dry-run", action="store_true", help="check the configuration and exit (no GPU needed)")
     add_json_argument(q, "bench_gpu.json", "the results")
     q.set_defaults(run=run_bench_gpu)
+
+    q = sub.add_parser("memory", help="one rank of a 7B- and a 70B-shaped Llama compiled here on the meta device: "
+                       "compile seconds, peak RSS, per-rank memory by kind per config (fsdp, recomputation, tp, cp, "
+                       "pp), which fit the budget; measured steps of a small Llama against the estimate",
+                       description=_docstring("hotswitch.bench.memory"), formatter_class=HelpFormatter)
+    q.add_argument("--models", default="llama2-7b,llama3-70b", help="comma-separated: llama2-7b (one rank of 8), "
+                   "llama3-70b (one rank of 64)")
+    q.add_argument("--configs", default=None, metavar="CONFIGS", help="configs for every model, comma-separated "
+                   "compact names of the model's job size (default: a dp/fsdp/tp/sp/cp/pp mix per model, with and "
+                   "without recomputation)")
+    q.add_argument("--lengths", default="4096,32768", help="tokens per row, comma-separated")
+    q.add_argument("--budget-gib", type=float, default=80.0, help="memory per rank a config must fit")
+    q.add_argument("--measure-layers", type=int, default=4, help="layers of the small Llama whose steps are "
+                   "measured against the estimate (0: skip that part)")
+    add_json_argument(q, "bench_memory.json", "the results")
+    q.add_argument("--plot", default="bench_memory.png", metavar="PATH", help="where to draw the chart")
+    q.set_defaults(run=run_bench_memory)
 
     q = sub.add_parser("cp", help="context parallelism on skewed packed batches: static zigzag CP vs "
                        "document-aware CP vs TP+SP, attention time and bytes exchanged",
@@ -154,6 +171,35 @@ def run_bench_cp(args) -> int:
     return cp.run(cp.CpBenchOptions(world_size=args.world_size, row_lengths=row_lengths, rows=rows, dim=args.dim,
                                     heads=args.heads, kv_heads=args.kv_heads, repeats=args.repeats, seed=args.seed,
                                     balance=args.balance, json_path=args.json, png_path=args.plot))
+
+
+def run_bench_memory(args) -> int:
+    from hotswitch.bench import memory
+
+    models = tuple(m.strip() for m in args.models.split(",") if m.strip())
+    unknown = [m for m in models if m not in memory.MODEL_SHAPES]
+    try:
+        lengths = tuple(int(n) for n in args.lengths.split(",") if n.strip())
+    except ValueError:
+        lengths = ()
+    if unknown or not models or not lengths or min(lengths) < 1:
+        print(f"hotswitch bench memory: --models takes {', '.join(memory.MODEL_SHAPES)} and --lengths positive "
+              f"integers, comma-separated; got {args.models!r} and {args.lengths!r}", file=sys.stderr)
+        return 2
+    configs = None
+    if args.configs:
+        names = tuple(c.strip() for c in args.configs.split(",") if c.strip())
+        configs = {m: names for m in models}
+    options = memory.MemoryBenchOptions(models=models, configs=configs, lengths=lengths,
+                                        budget_bytes=int(args.budget_gib * 2**30), measure_layers=args.measure_layers,
+                                        json_path=args.json, png_path=args.plot)
+    try:
+        memory.run(options)
+    except (ValueError, RuntimeError) as e:
+        print(f"hotswitch bench memory: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {', '.join(p for p in (args.json, args.plot) if p)}")
+    return 0
 
 
 def run_bench_step(args) -> int:
