@@ -12,6 +12,7 @@ an earlier shape are replayed (`ShardingDecisions`), and alike ops are decided o
 from __future__ import annotations
 
 import copy
+import math
 import operator
 import warnings
 from dataclasses import replace
@@ -388,6 +389,10 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
             out = _propagate_strided_as_shard(target, args, kwargs, pinned, tensor_nodes, specs) or out
         if out is None and "unevenly sharded" in str(error):
             out = _propagate_gathering_uneven(target, args, kwargs, pinned, tensor_nodes, specs)
+        if out is None:
+            unflattened = _unflatten_strided(target, args, kwargs, tensor_nodes, specs)
+            if unflattened is not None:
+                return unflattened
         if out is not None:
             if out.output_spec is not None:
                 redo = out.redistribute_schema
@@ -414,6 +419,40 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
         raise ShardingError(message)
     warnings.warn("hotswitch: " + message, stacklevel=2)
     return _fallback(node, mesh, specs, tensor_nodes, args, kwargs)
+
+def _unflatten_strided(target, args, kwargs, tensor_nodes, specs) -> Decision | None:
+    """A view that splits one dim back into the two a flatten merged, where that dim is sharded by a
+    plain Shard over some mesh dims (the outer one's, data parallelism's rows) and a _StridedShard
+    over others (the inner one's, sequence parallelism's positions): [b*s, V] -> [b, s, V] after a
+    dp x tp x sp LM head. DTensor's view rule asks every mesh dim to divide the outer size b (2
+    rows under dp2 do not divide over tp4), though the strided one shards s; this is its answer
+    where it would be right: the plain Shards on the outer dim, the strided one on the inner, when
+    its split factor is the outer size's share per plain Shard and every piece is even."""
+    if target not in SIZED_VIEW_OPS or target is aten.expand.default or kwargs or len(args) != 2 \
+            or len(tensor_nodes) != 1:
+        return None
+    spec, shape = specs[tensor_nodes[0]], list(args[1])
+    strided = [(i, p) for i, p in enumerate(spec.placements) if isinstance(p, dt.StridedShard)]
+    if len(strided) != 1 or any(not isinstance(s, int) for s in shape):
+        return None
+    mesh_dim, ss = strided[0]
+    d = ss.dim
+    old = list(spec.shape)
+    if -1 in shape or len(shape) != len(old) + 1 or shape[:d] != old[:d] or shape[d + 2:] != old[d + 1:] \
+            or shape[d] * shape[d + 1] != old[d]:
+        return None
+    plain = [i for i, p in enumerate(spec.placements) if p.is_shard(d) and not isinstance(p, dt.StridedShard)]
+    outer = math.prod(spec.mesh.size(i) for i in plain)
+    if shape[d] % outer or shape[d] // outer != ss.split_factor or shape[d + 1] % spec.mesh.size(mesh_dim) \
+            or any(i > mesh_dim for i in plain):
+        return None
+    placements = [dt.Shard(d + 1) if i == mesh_dim else (dt.Shard(p.dim + 1) if p.is_shard() and p.dim > d else p)
+                  for i, p in enumerate(spec.placements)]
+    out_spec = dt.make_spec(spec.mesh, placements, meta_run(target, args, kwargs))
+    return Decision("op", tensor_nodes=tensor_nodes, in_specs=[spec], want_specs=[spec],
+                    args=(args[0], list(dt.local_shape(out_spec))), kwargs=kwargs, out_spec=out_spec,
+                    replayable=True)
+
 
 def _sized_as_output(target, args, kwargs, out_spec) -> bool:
     """Did DTensor rewrite only this view's size, into its output's local shape? Then the decision

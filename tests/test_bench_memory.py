@@ -20,6 +20,13 @@ def test_a_7b_rank_compiles_on_meta_in_a_small_fraction_of_the_model():
     assert r.activation_bytes > 0 and r.optimizer_bytes == 6 * r.param_bytes
 
 
+def test_dp_tp_sp_with_fewer_rows_than_tp_ranks_compiles():
+    """dp2tp4sp with one row per replica: the LM head's [b*s, V] -> [b, s, V] has 2 rows that do not
+    divide over tp4, which DTensor's view rule refused (`propagate._unflatten_strided` answers)."""
+    r = measure_rank(ModelShape("llama-2x128", 2, 128, 8, 8, 352, 512, 8), "dp2tp4sp", 64)
+    assert r.activation_bytes > 0
+
+
 def test_measured_steps_against_the_estimate(tmp_path):
     rows = [measure_rank(SMALL, config, 256, run_step=True) for config in ("dp2", "dp2-full", "fsdp2")]
     by = {r.config: r for r in rows}

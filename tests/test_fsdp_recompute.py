@@ -130,10 +130,34 @@ def check_trainer_with_fsdp_and_recomputation():
     return _steps_against(trainer, batches, ref)
 
 
+def check_unflatten_of_strided_rows_agrees_with_dtensor():
+    """[b*s, V] -> [b, s, V] with rows sharded over dp and positions over tp (sp): where DTensor's
+    view rule answers (b divides over tp), `propagate._unflatten_strided` answers the same."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hotswitch.compiler import _dtensor as dt
+    from hotswitch.compiler.propagate import _unflatten_strided
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = []
+    for b, s in ((2, 8), (4, 6)):
+        flat = dt.make_spec(mesh, (dt.Shard(0), dt.StridedShard(0, split_factor=b // 2)),
+                            torch.empty(b * s, 5, device="meta"))
+        node = torch.fx.Graph().placeholder("x")
+        ours = _unflatten_strided(torch.ops.aten.view.default, (flat, [b, s, 5]), {}, [node], {node: flat})
+        with dt.propagation():
+            theirs = dt.propagate(torch.ops.aten.view.default, (flat, [b, s, 5]), {}, frozenset())
+        out.append((tuple(ours.out_spec.placements), tuple(theirs.output_spec.placements), ours.args[1],
+                    list(dt.local_shape(theirs.output_spec))))
+    return out
+
+
 results2 = dist_fixture(2, [check_fsdp_world2_gpt, check_fsdp_world2_hf], name="results2")
 results = dist_fixture(4, [check_fsdp_gpt_equivalence, check_fsdp_llama_equivalence, check_fsdp_collectives_per_block,
                            check_recompute_equals_keeping_activations, check_switch_between_every_kind,
-                           check_trainer_with_fsdp_and_recomputation], env={"HOTSWITCH_PACK_BACKEND": "torch"})
+                           check_trainer_with_fsdp_and_recomputation,
+                           check_unflatten_of_strided_rows_agrees_with_dtensor],
+                        env={"HOTSWITCH_PACK_BACKEND": "torch"})
 
 
 def test_fsdp_equals_one_device(results):
@@ -176,3 +200,9 @@ def test_trainer_with_fsdp_and_recomputation_equals_single_device_adamw(results)
     steps = results["check_trainer_with_fsdp_and_recomputation"].raise_if_failed()[0]
     _assert_equivalent(steps, worst_tensor=1e-5, configs=["fsdp4", "dp2tp2-sel", "tp4sp-full"])
     assert {b.config for s in steps for b in s["report"].buckets} == {"fsdp4", "dp2tp2-sel", "tp4sp-full"}
+
+
+def test_unflatten_of_strided_rows_agrees_with_dtensor(results):
+    for ours, theirs, our_shape, their_shape in results["check_unflatten_of_strided_rows_agrees_with_dtensor"] \
+            .raise_if_failed()[0]:
+        assert ours == theirs and our_shape == their_shape, (ours, theirs, our_shape, their_shape)
