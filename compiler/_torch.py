@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._sympy.functions import FloorDiv  # a SymInt's floor division, in sympy
 
 __all__ = ["FakeTensorMode", "FloorDiv", "OpName", "OpOverload", "WrittenCode", "add_node", "allocated_peak",
-           "arg_leaves", "codegen",
+           "ancestors", "arg_leaves", "codegen",
            "codeless_module", "codeless_modules", "copied_graph", "copy_node", "core_aten_decompositions",
            "detect_fake_mode", "graph_built", "graph_module", "half_precision_math_attention", "inductor_compile",
            "inductor_default_cache_dir", "is_mutable", "lists_codegen", "map_args", "meta_like", "module_with_code",
@@ -78,6 +78,18 @@ def copy_node(graph, node, arg_transform):
     new = add_node(graph, node.op, node.target, args, kwargs, name=node.name, type_expr=node.type)
     new.meta.update(node.meta)
     return new
+
+
+def ancestors(roots) -> set:
+    """The fx nodes among `roots` and every node they read, transitively (non-nodes ignored)."""
+    seen: set = set()
+    stack = [r for r in roots if isinstance(r, torch.fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(n.all_input_nodes)
+    return seen
 
 
 def copied_graph(graph):

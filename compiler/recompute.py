@@ -30,7 +30,7 @@ import weakref
 import torch
 import torch.fx as fx
 
-from ._torch import copied_graph, copy_node, pytree
+from ._torch import ancestors, copied_graph, copy_node, pytree
 from .regions import block_of
 
 __all__ = ["POLICIES", "recomputed"]
@@ -71,7 +71,7 @@ def recomputed(gm: fx.GraphModule, policy: str, forward_outputs: int,
 def _rewrite(gm: fx.GraphModule, policy: str, forward_outputs: int, regathered: frozenset[int]) -> fx.GraphModule:
     graph = copied_graph(gm.graph)
     out = next(n for n in graph.nodes if n.op == "output")
-    forward = _ancestors(pytree.tree_leaves(out.args[0])[:forward_outputs])
+    forward = ancestors(pytree.tree_leaves(out.args[0])[:forward_outputs])
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     sharded = {placeholders[i] for i in regathered}
     # forward values made from sharded parameters alone (and constants): recomputed wherever read
@@ -131,17 +131,6 @@ def _rewrite(gm: fx.GraphModule, policy: str, forward_outputs: int, regathered: 
     graph.eliminate_dead_code()
     graph.lint()
     return fx.GraphModule(gm, graph)
-
-
-def _ancestors(roots) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = [r for r in roots if isinstance(r, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack += n.all_input_nodes
-    return seen
 
 
 def _holds_tensors(n: fx.Node) -> bool:

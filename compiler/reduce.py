@@ -19,6 +19,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import _dtensor as dt
 from ._torch import (
+    ancestors,
     codeless_modules,
     pytree,
     with_code,
@@ -73,15 +74,7 @@ def _tag_phases(graph: fx.Graph, forward_outputs: int | tuple[int, ...]) -> None
     out = next(n for n in graph.nodes if n.op == "output")
     leaves = pytree.tree_leaves(out.args[0])
     indices = range(forward_outputs) if isinstance(forward_outputs, int) else forward_outputs
-    losses = [leaves[i] for i in indices]
-    forward: set[fx.Node] = set()
-    stack = list(losses)
-    while stack:
-        n = stack.pop()
-        if n in forward or not isinstance(n, fx.Node):
-            continue
-        forward.add(n)
-        stack.extend(n.all_input_nodes)
+    forward = ancestors([leaves[i] for i in indices])
     for n in graph.nodes:
         phase = "reduce" if n.op == "output" else "forward" if n in forward else "backward"
         n.meta["custom"] = {**n.meta.get("custom", {}), "phase": phase, "source": n.name}

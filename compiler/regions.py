@@ -38,7 +38,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ._torch import codegen, codeless_module, copy_node, lists_codegen
+from ._torch import ancestors, codegen, codeless_module, copy_node, lists_codegen
 
 __all__ = ["Region", "block_of", "regions_of", "stitched_joint"]
 
@@ -184,13 +184,7 @@ def _trace_region(fwd: fx.GraphModule, region: Region, needs_grad: tuple[bool, .
     out = next(n for n in gm.graph.nodes if n.op == "output")
     leaves = list(out.args[0])
     outputs = leaves[:len(region.outputs)]
-    forward: set[fx.Node] = set()
-    stack = [o for o in outputs if isinstance(o, fx.Node)]
-    while stack:
-        n = stack.pop()
-        if n not in forward:
-            forward.add(n)
-            stack.extend(n.all_input_nodes)
+    forward = ancestors(outputs)
     # a multi-output op's parts stay beside it, as make_fx emits them (one kept for the backward only, a
     # norm's mean, say, is still the forward's)
     forward |= {u for n in forward for u in n.users if u.target is operator.getitem}

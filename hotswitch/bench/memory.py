@@ -120,38 +120,10 @@ class RankMemory:
 def measure_rank(shape: ModelShape, config: str, length: int, *, run_step: bool = False) -> RankMemory:
     """Compile `config` for `shape` at `length` tokens per row as rank 0 of a fake process group of
     the job's size, in a process of its own (its peak RSS is this compile's alone)."""
-    from hotswitch.distributed.launch import process_context
+    from hotswitch.distributed.launch import call_in_process
 
-    ctx = process_context()
-    reader, writer = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_worker, args=(shape, config, length, run_step, writer, dict(os.environ)),
-                    name=f"hotswitch-bench-memory-{config}")
-    p.start()
-    writer.close()
-    try:
-        ok, payload = reader.recv()
-    except EOFError:
-        p.join()
-        raise RuntimeError(f"the process compiling {shape.name} under {config} died (exit code {p.exitcode})")
-    p.join()
-    if not ok:
-        raise RuntimeError(f"compiling {shape.name} under {config} at {length} tokens failed:\n{payload}")
-    return RankMemory(**payload)
-
-
-def _worker(shape, config, length, run_step, results, environ) -> None:
-    import traceback
-    import warnings
-
-    from hotswitch.distributed.launch import adopt_environ
-
-    adopt_environ(environ)
-    try:
-        warnings.filterwarnings("ignore")
-        results.send((True, _measure(shape, config, length, run_step)))
-    except BaseException:  # noqa: BLE001 - reported to the caller with its traceback
-        results.send((False, traceback.format_exc()))
-    results.close()
+    return RankMemory(**call_in_process(_measure, shape, config, length, run_step,
+                                        name=f"compiling {shape.name} under {config} at {length} tokens"))
 
 
 def _measure(shape: ModelShape, name: str, length: int, run_step: bool) -> dict:

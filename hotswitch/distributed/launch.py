@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from hotswitch.distributed.device import default_backend
 from hotswitch.distributed.netns import in_namespace
 
-__all__ = ["LaunchError", "launch", "process_context"]
+__all__ = ["LaunchError", "call_in_process", "launch", "process_context"]
 
 _GRACE_S = 2.0  # after a rank fails, how long to wait for the others' reports
 
@@ -275,6 +275,38 @@ def process_context(preload: tuple[str, ...] = ()):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(sorted(_PRELOAD))
     return ctx
+
+
+def call_in_process(fn: Callable[..., Any], *args: Any, name: str) -> Any:
+    """`fn(*args)` in a fresh process of its own (`process_context`; `fn` and its arguments
+    picklable), with this process's environment: its value, or a RuntimeError holding its traceback.
+    One rank of a large job profiled or compiled alone, whose memory and process group are its own."""
+    ctx = process_context()
+    reader, writer = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_call_and_send, args=(fn, args, writer, dict(os.environ)), name=name)
+    p.start()
+    writer.close()
+    try:
+        ok, payload = reader.recv()
+    except EOFError:
+        p.join()
+        raise RuntimeError(f"{name} died (exit code {p.exitcode})") from None
+    p.join()
+    if not ok:
+        raise RuntimeError(f"{name} failed:\n{payload}")
+    return payload
+
+
+def _call_and_send(fn, args, results, environ) -> None:
+    import warnings
+
+    adopt_environ(environ)
+    try:
+        warnings.filterwarnings("ignore")
+        results.send((True, fn(*args)))
+    except BaseException:  # noqa: BLE001 - reported to the caller with its traceback
+        results.send((False, traceback.format_exc()))
+    results.close()
 
 
 def adopt_environ(environ: dict[str, str]) -> None:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from hotswitch.distributed.launch import adopt_environ, process_context
+from hotswitch.distributed.launch import call_in_process
 from hotswitch.search.comm import CommProfile
 
 __all__ = ["RankProfile", "profile_rank"]
@@ -75,46 +75,23 @@ def profile_rank(build_model: Callable[[], torch.nn.Module], example_inputs, con
     if backend not in ("eager", "inductor"):
         raise ValueError(f"backend must be 'eager' or 'inductor', got {backend!r}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    ctx = process_context()
-    reader, writer = ctx.Pipe(duplex=False)
-    p = ctx.Process(target=_worker, args=(build_model, tuple(example_inputs), config, rank, repeats, device,
-                                          dtype, backend, writer, dict(os.environ)),
-                    name=f"hotswitch-profile-rank{rank}")
-    p.start()
-    writer.close()
-    try:
-        ok, payload = reader.recv()
-    except EOFError:
-        p.join()
-        raise RuntimeError(f"the profiling process of {config.name!r} rank {rank} died (exit code {p.exitcode})")
-    p.join()
-    if not ok:
-        raise RuntimeError(f"profiling {config.name!r} rank {rank} failed:\n{payload}")
-    return RankProfile(**payload)
+    return RankProfile(**call_in_process(_profile, build_model, tuple(example_inputs), config, rank, repeats,
+                                         device, dtype, backend, name=f"profiling {config.name!r} rank {rank}"))
 
 
-def _worker(build_model, example_inputs, config, rank, repeats, device, dtype, backend, results, environ) -> None:
-    import traceback
-    import warnings
+def _profile(build_model, example_inputs, config, rank, repeats, device, dtype, backend) -> dict:
+    """In the profiling process: this rank of a fake process group, measured (`_measure`)."""
+    if device == "cpu":
+        torch.set_num_threads(1)  # as a rank started by hs.launch computes (one thread per process)
+    if device.startswith("cuda"):
+        where = torch.device(device)
+        device = f"cuda:{where.index or 0}"  # set_device needs an index; "cuda" means the first GPU
+        torch.cuda.set_device(where.index or 0)
+    os.environ["HOTSWITCH_DEVICE"] = device  # compute here; the fake group communicates nowhere
+    from hotswitch.distributed import _c10d
 
-    adopt_environ(environ)
-
-    try:
-        warnings.filterwarnings("ignore")
-        if device == "cpu":
-            torch.set_num_threads(1)  # as a rank started by hs.launch computes (one thread per process)
-        if device.startswith("cuda"):
-            where = torch.device(device)
-            device = f"cuda:{where.index or 0}"  # set_device needs an index; "cuda" means the first GPU
-            torch.cuda.set_device(where.index or 0)
-        os.environ["HOTSWITCH_DEVICE"] = device  # compute here; the fake group communicates nowhere
-        from hotswitch.distributed import _c10d
-
-        _c10d.init_fake_process_group(rank, config.world_size)
-        results.send((True, _measure(build_model, example_inputs, config, rank, repeats, device, dtype, backend)))
-    except BaseException:  # noqa: BLE001 - reported to the caller with its traceback
-        results.send((False, traceback.format_exc()))
-    results.close()
+    _c10d.init_fake_process_group(rank, config.world_size)
+    return _measure(build_model, example_inputs, config, rank, repeats, device, dtype, backend)
 
 
 def _measure(build_model, example_inputs, config, rank, repeats, device, dtype, backend) -> dict:
