@@ -151,10 +151,12 @@ def match_keys(params: list[str], aliases: dict[str, str], buffers: list[str], s
     missing = [n for n in params if n not in keys]
     unexpected = sorted(set(source) - used)
     if missing or unexpected:
-        under = f" (matched as model name = {pm!r} + key[{len(pk)}:] after {pk!r})" if pm or pk else ""
+        under = (f" (its keys are the model's names less {pm!r})" if pm else
+                 f" (its keys are the model's names behind {pk!r})" if pk else "")
+        wanted = [f"{n} (key {pk + n[len(pm):]})" if n.startswith(pm) else n for n in missing]
         raise ValueError(
             f"{what} does not fit the model{under}: " + "; ".join(filter(None, [
-                f"no value for {len(missing)} parameter(s) {_few(missing)}" if missing else "",
+                f"no value for {len(missing)} parameter(s) {_few(wanted)}" if missing else "",
                 f"{len(unexpected)} key(s) that name nothing of the model {_few(unexpected)}" if unexpected else ""]))
             + f". The model's parameters are named like {_few(params, 3)}, the checkpoint's keys like "
             f"{_few(sorted(source), 3)}: load a checkpoint of this model (the same architecture and config)")
