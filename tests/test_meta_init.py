@@ -9,7 +9,7 @@ from torch import nn
 
 from hotswitch.models import GPT, GPTConfig
 from hotswitch.runtime.meta_init import initialized
-from hotswitch.runtime.weights import check_source, match_keys
+from hotswitch.runtime.weights import check_buffers, check_source, computed_buffers, match_keys
 
 transformers = pytest.importorskip("transformers")
 from transformers.initialization import no_init_weights  # noqa: E402
@@ -164,3 +164,31 @@ def test_weights_arguments_are_checked(tmp_path):
     assert check_source(os.fspath(tmp_path), meta) == "dcp"
     with pytest.raises(ValueError, match="must be None, 'init'"):
         check_source(3, meta)
+
+
+class _Table(nn.Module):
+    """A buffer its module's init never writes (no reset_parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+
+def test_meta_buffers_are_computed_by_their_modules_init():
+    config = transformers.LlamaConfig(vocab_size=101, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    names = ["model.rotary_emb.inv_freq"]
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    got = computed_buffers(_hf(transformers.LlamaForCausalLM, config, meta=True), names, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = transformers.LlamaForCausalLM(config).model.rotary_emb.inv_freq
+    assert torch.equal(got[0], expected)
+    with torch.device("meta"):
+        table = _Table()
+    left = computed_buffers(table, ["table"], torch.device("cpu"))
+    assert left[0].device.type == "meta"  # for a checkpoint to fill, else:
+    with pytest.raises(ValueError, match=r"buffer\(s\) \['table'\] have no value"):
+        check_buffers(["table"], left, "some/dir")

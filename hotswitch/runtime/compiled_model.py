@@ -100,7 +100,8 @@ class CompiledModel:
             self.logic.forward.graph, self.logic.param_names, len(self.logic.buffer_names)
         )
         # buffers are replicated: whole on every rank (a meta model's computed by their modules' init)
-        self._buffers = W.computed_buffers(model, self.logic.buffer_names, self.device)
+        self._buffers = W.computed_buffers(model, self.logic.buffer_names, self.device,
+                                           init=weights if source == "init_fn" else W.INIT)
         self._state_keys = list(model.state_dict().keys())
         hf = W.hf_model_of(model)  # save_pretrained writes its names, and its config
         self._hf_prefix, self._hf_config = (hf[0], getattr(hf[1], "config", None)) if hf else ("", None)
@@ -487,6 +488,8 @@ class CompiledModel:
         self._local = {n: p.to(self.logic.param_dtypes[n]) for n, p in pieces.items()}
         for name, value in buffers.items():
             self._buffers[self.logic.buffer_names.index(name)] = value
+        if weights != W.EMPTY:
+            W.check_buffers(self.logic.buffer_names, self._buffers, weights)
         return pieces
 
     def save_pretrained(self, directory, config=None, *, params: dict[str, torch.Tensor] | None = None,

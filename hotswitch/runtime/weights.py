@@ -324,7 +324,7 @@ def load(cm, weights, model: nn.Module | None, dtype: torch.dtype | None = None
             state[found.keys[n]] = cm.as_dtensors({n: local})[n]
         wanted = [b for b in buffer_shapes if b in found.keys]
         for b in wanted:
-            state[found.keys[b]] = torch.empty_like(_buffer(cm, b))
+            state[found.keys[b]] = torch.empty(buffer_shapes[b], dtype=_buffer(cm, b).dtype, device=cm.device)
         dcp.load(state, checkpoint_id=os.fspath(weights))
         pieces = {n: state[found.keys[n]].to_local() for n in held}
         buffers = {b: state[found.keys[b]] for b in wanted}
@@ -343,10 +343,12 @@ def _kind_without_model(weights) -> str:
     return check_source(weights, nn.Module())
 
 
-def computed_buffers(model: nn.Module, names: list[str], device: torch.device) -> list[torch.Tensor]:
+def computed_buffers(model: nn.Module, names: list[str], device: torch.device, init=INIT) -> list[torch.Tensor]:
     """`model`'s buffers `names` on `device`: their values, or where they are on the meta device
     (a model built on meta; non-persistent ones such as a rotary `inv_freq` are in no checkpoint)
-    computed by their modules' initialization ("init"). torch's random generator is left as it was."""
+    computed by their modules' initialization (`init`: "init" or an init function); those it does not
+    write stay on meta, for a checkpoint to fill (`check_buffers`). torch's random generator is left
+    as it was."""
     from hotswitch.runtime.meta_init import initialized
 
     state = dict(model.named_buffers(remove_duplicate=False))
@@ -355,8 +357,20 @@ def computed_buffers(model: nn.Module, names: list[str], device: torch.device) -
     if meta:
         rng = torch.get_rng_state()
         try:
-            for owners, value in initialized(model, INIT, only=meta):
+            for owners, value in initialized(model, init, only=meta, strict=False):
                 values.update(dict.fromkeys(owners, value))
         finally:
             torch.set_rng_state(rng)
-    return [(values[n] if n in values else state[n].detach()).to(device, copy=True) for n in names]
+    return [values[n].to(device, copy=True) if n in values else
+            state[n].detach().to(device, copy=True) if state[n].device.type != "meta" else state[n].detach()
+            for n in names]
+
+
+def check_buffers(names: list[str], buffers: list[torch.Tensor], source) -> None:
+    """ValueError naming the buffers that neither `source` nor their modules' initialization gave a value."""
+    absent = [n for n, b in zip(names, buffers) if b.device.type == "meta"]
+    if absent:
+        raise ValueError(f"buffer(s) {_few(absent)} have no value: the model built them on the meta device, "
+                         f"weights={source!r} holds none and their modules' initialization (reset_parameters / "
+                         "_init_weights) does not write them; register them outside torch.device('meta'), or pass "
+                         "weights=init_fn that computes them")
