@@ -125,15 +125,12 @@ class CompiledModel:
         self.grad_dtype: torch.dtype | None = None  # gradient accumulators' dtype; None: the parameter's
         self._param_states: dict[str, dict[str, torch.Tensor]] = {}
         self._active = configs[0].name
-        if source == "model":  # ranks start from identical full weights: each keeps its pieces under the first config
-            params = dict(model.named_parameters(remove_duplicate=False))
-            self._local = self._pieces(self._states[self._active], {n: params[n].detach()
-                                                                    for n in self.logic.param_names})
-        else:  # each rank reads (or initializes) only its pieces: see hotswitch.runtime.weights
-            if source in (W.INIT, "init_fn"):
-                torch.set_rng_state(rng)
+        # each rank keeps (reads, initializes) only its pieces of the first config: see runtime.weights
+        if source in (W.INIT, "init_fn"):
+            torch.set_rng_state(rng)
+        if source != "model":
             report(f"loading the weights ({source})")
-            self.load_weights(weights, model)
+        self.load_weights(weights, model)
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
             self.exec_graph(c.name, shapes)
@@ -479,8 +476,9 @@ class CompiledModel:
                      ) -> dict[str, torch.Tensor]:
         """Replace the weights (in the active config's layout) by `weights`: a Hugging Face
         save_pretrained directory or a torch.distributed.checkpoint directory (each rank reads only
-        its pieces), "init" or an init function (initializing `model`, one module at a time), or
-        "empty" (see `hotswitch.runtime.weights`). Buffers the source holds are replaced too. Returns
+        its pieces), "init" or an init function (initializing `model`, one module at a time), None
+        (`model`'s own values: the compiled model), or "empty" (see `hotswitch.runtime.weights`).
+        Buffers the source holds are replaced too. Returns
         this rank's pieces in `dtype` (default: the parameters'; fp32 masters, say). A collective: call
         on every rank, between steps. `last_load` says what was read."""
         pieces, buffers, self.last_load = W.load(self, weights, model, dtype)

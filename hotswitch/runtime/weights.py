@@ -284,6 +284,9 @@ def load(cm, weights, model: nn.Module | None, dtype: torch.dtype | None = None
     if kind == EMPTY:
         pieces = {n: torch.empty([b.stop - b.start for b in boxes[n]], dtype=dtypes[n], device=cm.device)
                   for n in held}
+    elif kind == "model":  # the compiled model's own values (identical on every rank), its names
+        params = dict(model.named_parameters(remove_duplicate=False))
+        pieces = {n: params[n].detach()[boxes[n]].to(device=cm.device, dtype=dtypes[n], copy=True) for n in held}
     elif kind in (INIT, "init_fn"):
         from hotswitch.runtime.meta_init import initialized
 
