@@ -117,7 +117,8 @@ def check_hf_checkpoint_trains_and_saves():
 def check_meta_init_equals_one_device_and_dcp_reshards():
     """weights="init": the assembled state is bit-equal to one device's `init_weights()` with the same
     seed, no rank holding more than one module whole at a time; saved by DCP under tp4sp and loaded
-    under fsdp2tp2 (resharded) and on one process, equal."""
+    under fsdp2tp2 (resharded) and on one process, equal. The first check's save_pretrained directory
+    loads under tp4sp and dp2tp2 too (`load_weights`), equal to the model saved."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     from transformers.initialization import no_init_weights
 
@@ -142,6 +143,14 @@ def check_meta_init_equals_one_device_and_dcp_reshards():
     again = resharded.full_state_dict()
     out["resharded"] = all(torch.equal(again[k], v) for k, v in expected.items())
     out["dcp_source"] = resharded.last_load.source
+    torch.manual_seed(0)
+    saved = {"model." + k: v for k, v in _llama().state_dict().items()}  # what the first check saved
+    for config in ("tp4sp", "dp2tp2"):
+        cm.switch(config)
+        cm.load_weights(HF_DIR)
+        loaded = cm.full_state_dict()
+        out[f"hf_{config}"] = all(torch.equal(loaded[k], v) for k, v in saved.items()) and cm.last_load.prefix == (
+            "model.", "")
     if dist.get_rank() == 0:
         dcp_to_torch_save(DCP_DIR, os.path.join(ROOT, "one.pt"))
         one = torch.load(os.path.join(ROOT, "one.pt"))
@@ -224,6 +233,7 @@ def test_meta_init_is_one_devices_and_dcp_reshards(results):
         assert v["peak"] == v["largest_module"] < v["model"] / 2  # one module (the embedding) whole at a time
         assert v["held"] < v["model"]
         assert v["resharded"] and v["dcp_source"] == "dcp"
+        assert v["hf_tp4sp"] and v["hf_dp2tp2"]
     assert values[0]["one_process"]
 
 

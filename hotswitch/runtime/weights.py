@@ -313,7 +313,7 @@ def load(cm, weights, model: nn.Module | None, dtype: torch.dtype | None = None
             for b in buffer_shapes:
                 if b in found.keys:  # whole: buffers are replicated
                     whole = tuple(slice(None) for _ in buffer_shapes[b])
-                    buffers[b] = files.read(found.keys[b], whole, _buffer(cm, b).dtype).to(cm.device)
+                    buffers[b] = files.read(found.keys[b], whole, buffer_of(cm, b).dtype).to(cm.device)
             read, prefix = files.read_bytes, found.prefix
         finally:
             files.close()
@@ -327,7 +327,7 @@ def load(cm, weights, model: nn.Module | None, dtype: torch.dtype | None = None
             state[found.keys[n]] = cm.as_dtensors({n: local})[n]
         wanted = [b for b in buffer_shapes if b in found.keys]
         for b in wanted:
-            state[found.keys[b]] = torch.empty(buffer_shapes[b], dtype=_buffer(cm, b).dtype, device=cm.device)
+            state[found.keys[b]] = torch.empty(buffer_shapes[b], dtype=buffer_of(cm, b).dtype, device=cm.device)
         dcp.load(state, checkpoint_id=os.fspath(weights))
         pieces = {n: state[found.keys[n]].to_local() for n in held}
         buffers = {b: state[found.keys[b]] for b in wanted}
@@ -335,7 +335,8 @@ def load(cm, weights, model: nn.Module | None, dtype: torch.dtype | None = None
     return pieces, buffers, LoadReport(kind, elapsed(), read, peak, prefix)
 
 
-def _buffer(cm, name: str) -> torch.Tensor:
+def buffer_of(cm, name: str) -> torch.Tensor:
+    """A compiled model's buffer by name (whole: buffers are replicated)."""
     return cm._buffers[cm.logic.buffer_names.index(name)]
 
 
