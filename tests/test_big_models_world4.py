@@ -78,6 +78,7 @@ def check_hf_checkpoint_trains_and_saves():
     base under a meta model; 3 AdamW steps under dp2tp2, tp4sp and fsdp4 equal the model loaded whole
     on one device; saved back, from_pretrained reads the trained weights."""
     import safetensors
+    import safetensors.torch
     import transformers
 
     torch.manual_seed(0)
@@ -102,7 +103,14 @@ def check_hf_checkpoint_trains_and_saves():
                 model=sum(p.numel() for p in whole.parameters()),
                 boxes_are_shards=all(s == mine["model." + k] for k, s in reads), files=len(os.listdir(HF_DIR)))
     steps = _steps_against(trainer, batches, ref)
-    trainer.save_pretrained(SAVED, max_shard_bytes=200_000)
+    written, save_file = [], safetensors.torch.save_file
+    safetensors.torch.save_file = lambda tensors, *a, **k: (written.extend(_bytes(t) for t in tensors.values()),
+                                                            save_file(tensors, *a, **k))
+    try:
+        trainer.save_pretrained(SAVED, max_shard_bytes=200_000)
+    finally:
+        safetensors.torch.save_file = save_file
+    read["written"] = sum(written)  # this rank's files: its share, never the whole model
     back = None
     if dist.get_rank() == 0:
         loaded = transformers.LlamaForCausalLM.from_pretrained(SAVED).state_dict()
@@ -217,9 +225,11 @@ def test_hf_checkpoint_read_shard_wise_trains_and_saves(results):
         assert read["files"] > 2  # several safetensors files and the index
         # each rank read exactly its base shards, box by box (never a whole tensor: the spy refuses)
         assert read["boxes_are_shards"] and read["elements"] == read["held"] < read["model"]
+        assert 0 < read["written"] < 4 * read["model"] / 2  # fp32 bytes: each rank wrote a part of the model
         for s in steps:
             assert abs(s["loss"] - s["ref_loss"]) < 1e-5 * max(1.0, abs(s["ref_loss"]))
             assert s["weights"] < 1e-5 and s["worst_tensor"] < 1e-5 and s["grads"] < 1e-5
+    assert sum(read["written"] for read, _, _ in values) == 4 * values[0][0]["model"]  # every tensor once
     back = values[0][2]
     assert back["keys"] == set() and back["error"] < 1e-5
     assert "model.safetensors.index.json" in back["files"] and "config.json" in back["files"]
