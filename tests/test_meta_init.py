@@ -139,6 +139,9 @@ def test_names_match_up_to_a_prefix_on_either_side_and_tied_aliases():
     found = match_keys(["model.embed.weight", "model.layer.weight"], {"model.head.weight": "model.embed.weight"}, [],
                        {**tied, "head.weight": (10, 4)}, SHAPES, "ckpt")
     assert found.keys["model.embed.weight"] == "embed.weight"
+    # an elastic job's checkpoint: its weights are "param:NAME"
+    found = match_keys(PARAMS, {}, [], {"param:" + k: v for k, v in SHAPES.items()}, SHAPES, "ckpt")
+    assert found.prefix == ("", "param:") and found.keys["model.head.weight"] == "param:model.head.weight"
 
 
 def test_names_that_do_not_fit_are_errors_naming_them():

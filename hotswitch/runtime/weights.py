@@ -153,7 +153,7 @@ def match_keys(params: list[str], aliases: dict[str, str], buffers: list[str], s
     if missing or unexpected:
         under = (f" (its keys are the model's names less {pm!r})" if pm else
                  f" (its keys are the model's names behind {pk!r})" if pk else "")
-        wanted = [f"{n} (key {pk + n[len(pm):]})" if n.startswith(pm) else n for n in missing]
+        wanted = [f"{n} (key {pk + n[len(pm):]})" if (pm or pk) and n.startswith(pm) else n for n in missing]
         raise ValueError(
             f"{what} does not fit the model{under}: " + "; ".join(filter(None, [
                 f"no value for {len(missing)} parameter(s) {_few(wanted)}" if missing else "",
@@ -170,15 +170,19 @@ def match_keys(params: list[str], aliases: dict[str, str], buffers: list[str], s
 
 
 def _prefix_candidates(params: list[str], source) -> list[tuple[str, str]]:
-    """("", ""), then one side's leading components (up to `_PREFIX_DEPTH`) stripped."""
+    """("", ""), then one side's leading components (up to `_PREFIX_DEPTH`) stripped; on the
+    source's side after a "kind:" too (an elastic job's checkpoint names its weights "param:NAME")."""
     def prefixes(names):
         out = set()
         for n in names:
             parts = n.split(".")
             out.update(".".join(parts[:i]) + "." for i in range(1, min(len(parts), _PREFIX_DEPTH + 1)))
-        return sorted(out)
+        return out
 
-    return [("", "")] + [(p, "") for p in prefixes(params)] + [("", p) for p in prefixes(source)]
+    kinds = {k[:k.index(":") + 1] for k in source if ":" in k}
+    keyed = prefixes(source) | kinds | {kind + p for kind in kinds
+                                         for p in prefixes(k[len(kind):] for k in source if k.startswith(kind))}
+    return [("", "")] + [(p, "") for p in sorted(prefixes(params))] + [("", p) for p in sorted(keyed)]
 
 
 def _few(items, n: int = 5) -> str:
