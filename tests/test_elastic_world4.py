@@ -8,7 +8,8 @@ Three jobs run once for the module (the agent, `run_elastic`, runs in the pytest
 - "reference": the same job with a planned scale-in 4 -> 3 before step 2, no failure;
 - "scaling": 2 workers under tp2 -> 4 workers under tp4 (step 1) -> 2 workers under tp2
   (step 2) -> redeployed to 2 new workers (step 3); the full job state is gathered before and after
-  every change.
+  every change. Its model is built on the meta device: the start initializes each worker's shards
+  (`weights=init_fn`), and the workers of later generations read no weights, only the moved state.
 """
 from __future__ import annotations
 
@@ -55,7 +56,24 @@ def _build():
     return build_model("gpt-tiny")
 
 
-def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
+def _build_meta():
+    from hotswitch.models import build_model
+
+    torch.manual_seed(0)  # the same random numbers on every worker for the start's initialization
+    with torch.device("meta"):
+        return build_model("gpt-tiny")
+
+
+def _init(module):
+    """GPT's own initialization, and its norms' ones (their constructor's, which meta skips)."""
+    from hotswitch.models import GPT, Norm
+
+    GPT._init(module)
+    if isinstance(module, Norm):
+        torch.nn.init.ones_(module.weight)
+
+
+def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir, meta=False):
     """One elastic worker; returns (on the finished job's rank 0) the job's result and final state.
     Around each planned change the job's rank 0 saves the full job state to `snapshot_dir`."""
     import warnings
@@ -81,10 +99,10 @@ def _worker(membership, rule, events, kill, checkpoint_dir, snapshot_dir):
             change = membership.generation + (1 if when == "before" else 0)
             torch.save((job.trainer.base, full), os.path.join(snapshot_dir, f"{change}-{when}.pt"))
 
-    job = ElasticJob(membership, _build, rule, batch, trainer_options=dict(optimizer=dict(name="adamw", lr=1e-2),
-                                                                           buckets=(64,)),
+    job = ElasticJob(membership, _build_meta if meta else _build, rule, batch,
+                     trainer_options=dict(optimizer=dict(name="adamw", lr=1e-2), buckets=(64,)),
                      checkpoint_dir=checkpoint_dir, checkpoint_every=2, step_timeout_s=3, on_change=on_change,
-                     log=_test_log)
+                     log=_test_log, weights=_init if meta else None)
     result = job.run(STEPS, [Event(*e) for e in events])
     final = job.trainer.full_job_state() if job.trainer is not None else None
     if result is not None:
@@ -122,10 +140,10 @@ def runs(tmp_path_factory):
     from tests.elastic_hosts import workers_aborted_after
 
     out = {}
-    for name, world, rule, events, kill in [
-        ("failure", 4, tp_on_four, [], ("w2", 2)),
-        ("reference", 4, tp_on_four, [(2, "scale", 3)], None),
-        ("scaling", 2, tp_everywhere, [(1, "scale", 4), (2, "scale", 2), (3, "redeploy")], None),
+    for name, world, rule, events, kill, meta in [
+        ("failure", 4, tp_on_four, [], ("w2", 2), False),
+        ("reference", 4, tp_on_four, [(2, "scale", 3)], None, False),
+        ("scaling", 2, tp_everywhere, [(1, "scale", 4), (2, "scale", 2), (3, "redeploy")], None, True),
     ]:
         ckpt, snaps = tmp_path_factory.mktemp(name), tmp_path_factory.mktemp(f"{name}-states")
         log: list[str] = []
@@ -135,7 +153,7 @@ def runs(tmp_path_factory):
             _test_log(message)
 
         with workers_aborted_after():
-            out[name] = run_elastic(_worker, world, rule, events, kill, str(ckpt), str(snaps), min_size=2,
+            out[name] = run_elastic(_worker, world, rule, events, kill, str(ckpt), str(snaps), meta, min_size=2,
                                     max_size=4, log=agent_log)
         out[name]["log"] = log
         out[name]["snapshots"] = {f.stem: torch.load(f) for f in snaps.glob("*.pt")}

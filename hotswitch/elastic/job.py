@@ -39,6 +39,7 @@ from hotswitch.distconfig import DistConfig, Topology, parse_configs
 from hotswitch.distributed.device import comm_tensor
 from hotswitch.elastic import checkpoint as ckpt
 from hotswitch.elastic.membership import LONG_TIMEOUT, ElasticError, Fenced, GenerationRecord, Membership
+from hotswitch.runtime.weights import EMPTY, first_meta
 from hotswitch.switch.executor import execute_plan
 from hotswitch.switch.planner import TensorMove, plan_switch, unowned
 from hotswitch.switch.state import JOB_STATE, state_key
@@ -440,7 +441,7 @@ class ElasticJob:
         model = self._model or self.build_model()
         # the job state is loaded into it below: a meta model's weights are left unread ("empty")
         trainer = self._new_trainer(configs, model, logic=logic,
-                                    weights=W.EMPTY if W.first_meta(model) is not None else None)
+                                    weights=EMPTY if first_meta(model) is not None else None)
         self._layout_cm = trainer.cm
         replayed = 0
         if moved is not None:

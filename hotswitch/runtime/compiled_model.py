@@ -100,7 +100,8 @@ class CompiledModel:
             self.logic.forward.graph, self.logic.param_names, len(self.logic.buffer_names)
         )
         # buffers are replicated: whole on every rank (a meta model's computed by their modules' init)
-        self._buffers = W.computed_buffers(model, self.logic.buffer_names, self.device)
+        self._buffers = W.computed_buffers(model, self.logic.buffer_names, self.device,
+                                           init=weights if source == "init_fn" else W.INIT)
         self._state_keys = list(model.state_dict().keys())
         hf = W.hf_model_of(model)  # save_pretrained writes its names, and its config
         self._hf_prefix, self._hf_config = (hf[0], getattr(hf[1], "config", None)) if hf else ("", None)
@@ -124,15 +125,12 @@ class CompiledModel:
         self.grad_dtype: torch.dtype | None = None  # gradient accumulators' dtype; None: the parameter's
         self._param_states: dict[str, dict[str, torch.Tensor]] = {}
         self._active = configs[0].name
-        if source == "model":  # ranks start from identical full weights: each keeps its pieces under the first config
-            params = dict(model.named_parameters(remove_duplicate=False))
-            self._local = self._pieces(self._states[self._active], {n: params[n].detach()
-                                                                    for n in self.logic.param_names})
-        else:  # each rank reads (or initializes) only its pieces: see hotswitch.runtime.weights
-            if source in (W.INIT, "init_fn"):
-                torch.set_rng_state(rng)
+        # each rank keeps (reads, initializes) only its pieces of the first config: see runtime.weights
+        if source in (W.INIT, "init_fn"):
+            torch.set_rng_state(rng)
+        if source != "model":
             report(f"loading the weights ({source})")
-            self.load_weights(weights, model)
+        self.load_weights(weights, model)
         shapes = tuple(tuple(x.shape) for x in self._example_inputs)
         for c in configs if not lazy else ():
             self.exec_graph(c.name, shapes)
@@ -478,8 +476,9 @@ class CompiledModel:
                      ) -> dict[str, torch.Tensor]:
         """Replace the weights (in the active config's layout) by `weights`: a Hugging Face
         save_pretrained directory or a torch.distributed.checkpoint directory (each rank reads only
-        its pieces), "init" or an init function (initializing `model`, one module at a time), or
-        "empty" (see `hotswitch.runtime.weights`). Buffers the source holds are replaced too. Returns
+        its pieces), "init" or an init function (initializing `model`, one module at a time), None
+        (`model`'s own values: the compiled model), or "empty" (see `hotswitch.runtime.weights`).
+        Buffers the source holds are replaced too. Returns
         this rank's pieces in `dtype` (default: the parameters'; fp32 masters, say). A collective: call
         on every rank, between steps. `last_load` says what was read."""
         pieces, buffers, self.last_load = W.load(self, weights, model, dtype)
@@ -487,6 +486,8 @@ class CompiledModel:
         self._local = {n: p.to(self.logic.param_dtypes[n]) for n, p in pieces.items()}
         for name, value in buffers.items():
             self._buffers[self.logic.buffer_names.index(name)] = value
+        if weights != W.EMPTY:
+            W.check_buffers(self.logic.buffer_names, self._buffers, weights)
         return pieces
 
     def save_pretrained(self, directory, config=None, *, params: dict[str, torch.Tensor] | None = None,

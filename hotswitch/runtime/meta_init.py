@@ -56,13 +56,13 @@ def init_function(model: nn.Module, init) -> Callable[[nn.Module], None]:
     return initialize
 
 
-def initialized(model: nn.Module, init, only: set[int] | None = None, stats: dict | None = None
-                ) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+def initialized(model: nn.Module, init, only: set[int] | None = None, stats: dict | None = None,
+                strict: bool = True) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
     """Yield (its names, its full value on the CPU) for every parameter and buffer of `model` (or
     those whose ids are in `only`: their modules alone are initialized) as the initialization
     `init` ("init" or a function of a module) finishes it; the model is left as it was.
     `stats["peak_bytes"]`: the most bytes held whole at once. ValueError for a tensor no init
-    wrote, or one written outside the unit being initialized."""
+    wrote (`strict=False`: left out), or one written outside the unit being initialized."""
     fn = init_function(model, init)
     slots: dict[int, list[Slot]] = {}  # tensor id -> where it sits (several places: tied)
     tensors: dict[int, torch.Tensor] = {}
@@ -136,6 +136,8 @@ def initialized(model: nn.Module, init, only: set[int] | None = None, stats: dic
                 value = alive.pop(t).detach()
                 held -= _nbytes(value)
                 if value.is_floating_point() and value.isnan().any():
+                    if not strict:
+                        continue
                     path = slots[t][0][0]
                     raise ValueError(
                         f"{_names(slots[t])[0]} ({type(modules[path]).__name__}) was not written by the "

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hotswitch.distconfig import Layout, Mesh, Replicate
-from hotswitch.runtime.weights import HF_INDEX, HF_SINGLE
+from hotswitch.runtime.weights import HF_INDEX, HF_SINGLE, buffer_of
 from hotswitch.switch.executor import execute_plan
 from hotswitch.switch.planner import TensorMove, plan_switch
 
@@ -37,7 +37,7 @@ def save_pretrained(cm, directory, config, *, params: dict[str, torch.Tensor], m
     if outside:
         raise ValueError(f"save_pretrained writes the Hugging Face model at {prefix[:-1]!r}, but parameters "
                          f"{outside[:3]} lie outside it: use save_checkpoint, which writes every parameter")
-    sizes = {n: _numel(cm, n) * (dtypes[n].itemsize if n in dtypes else _buffer(cm, n).element_size()) for n in names}
+    sizes = {n: _numel(cm, n) * (dtypes[n].itemsize if n in dtypes else buffer_of(cm, n).element_size()) for n in names}
     files = _files(names, sizes, cm.world_size, max_shard_bytes)
     count = sum(len(per_rank) for per_rank in files)
     file_names = {}
@@ -61,7 +61,7 @@ def save_pretrained(cm, directory, config, *, params: dict[str, torch.Tensor], m
         whole, _, _ = execute_plan(plan, {n: params[n] for n in moving if n in params},
                                    {n: src[n] for n in moving}, dst, cm.rank, dtypes=dtypes, device=cm.device)
         if mine:
-            tensors = {n[len(prefix):]: (whole[n] if n in whole else _buffer(cm, n)).detach().to("cpu").contiguous()
+            tensors = {n[len(prefix):]: (whole[n] if n in whole else buffer_of(cm, n)).detach().to("cpu").contiguous()
                        .clone() for n in mine}
             save_file(tensors, os.path.join(directory, file_names[(cm.rank, round_)]), metadata={"format": "pt"})
         del whole
@@ -89,7 +89,7 @@ def save_checkpoint(cm, directory, *, params: dict[str, torch.Tensor], strip: st
         if name in shards:
             state[key.removeprefix(strip)] = shards[name]
         elif key in cm.logic.buffer_names:
-            state[key.removeprefix(strip)] = _buffer(cm, key)
+            state[key.removeprefix(strip)] = buffer_of(cm, key)
     dcp.save(state, checkpoint_id=os.fspath(directory))
 
 
@@ -121,9 +121,6 @@ def _dtypes(cm, params: dict[str, torch.Tensor]) -> dict[str, torch.dtype]:
 
 
 def _numel(cm, name: str) -> int:
-    shape = cm.logic.param_shapes[name] if name in cm.logic.param_shapes else _buffer(cm, name).shape
+    shape = cm.logic.param_shapes[name] if name in cm.logic.param_shapes else buffer_of(cm, name).shape
     return int(torch.Size(shape).numel())
 
-
-def _buffer(cm, name: str) -> torch.Tensor:
-    return cm._buffers[cm.logic.buffer_names.index(name)]

@@ -151,10 +151,12 @@ def match_keys(params: list[str], aliases: dict[str, str], buffers: list[str], s
     missing = [n for n in params if n not in keys]
     unexpected = sorted(set(source) - used)
     if missing or unexpected:
-        under = f" (matched as model name = {pm!r} + key[{len(pk)}:] after {pk!r})" if pm or pk else ""
+        under = (f" (its keys are the model's names less {pm!r})" if pm else
+                 f" (its keys are the model's names behind {pk!r})" if pk else "")
+        wanted = [f"{n} (key {pk + n[len(pm):]})" if (pm or pk) and n.startswith(pm) else n for n in missing]
         raise ValueError(
             f"{what} does not fit the model{under}: " + "; ".join(filter(None, [
-                f"no value for {len(missing)} parameter(s) {_few(missing)}" if missing else "",
+                f"no value for {len(missing)} parameter(s) {_few(wanted)}" if missing else "",
                 f"{len(unexpected)} key(s) that name nothing of the model {_few(unexpected)}" if unexpected else ""]))
             + f". The model's parameters are named like {_few(params, 3)}, the checkpoint's keys like "
             f"{_few(sorted(source), 3)}: load a checkpoint of this model (the same architecture and config)")
@@ -168,15 +170,19 @@ def match_keys(params: list[str], aliases: dict[str, str], buffers: list[str], s
 
 
 def _prefix_candidates(params: list[str], source) -> list[tuple[str, str]]:
-    """("", ""), then one side's leading components (up to `_PREFIX_DEPTH`) stripped."""
+    """("", ""), then one side's leading components (up to `_PREFIX_DEPTH`) stripped; on the
+    source's side after a "kind:" too (an elastic job's checkpoint names its weights "param:NAME")."""
     def prefixes(names):
         out = set()
         for n in names:
             parts = n.split(".")
             out.update(".".join(parts[:i]) + "." for i in range(1, min(len(parts), _PREFIX_DEPTH + 1)))
-        return sorted(out)
+        return out
 
-    return [("", "")] + [(p, "") for p in prefixes(params)] + [("", p) for p in prefixes(source)]
+    kinds = {k[:k.index(":") + 1] for k in source if ":" in k}
+    keyed = prefixes(source) | kinds | {kind + p for kind in kinds
+                                         for p in prefixes(k[len(kind):] for k in source if k.startswith(kind))}
+    return [("", "")] + [(p, "") for p in sorted(prefixes(params))] + [("", p) for p in sorted(keyed)]
 
 
 def _few(items, n: int = 5) -> str:
@@ -282,6 +288,9 @@ def load(cm, weights, model: nn.Module | None, dtype: torch.dtype | None = None
     if kind == EMPTY:
         pieces = {n: torch.empty([b.stop - b.start for b in boxes[n]], dtype=dtypes[n], device=cm.device)
                   for n in held}
+    elif kind == "model":  # the compiled model's own values (identical on every rank), its names
+        params = dict(model.named_parameters(remove_duplicate=False))
+        pieces = {n: params[n].detach()[boxes[n]].to(device=cm.device, dtype=dtypes[n], copy=True) for n in held}
     elif kind in (INIT, "init_fn"):
         from hotswitch.runtime.meta_init import initialized
 
@@ -308,7 +317,7 @@ def load(cm, weights, model: nn.Module | None, dtype: torch.dtype | None = None
             for b in buffer_shapes:
                 if b in found.keys:  # whole: buffers are replicated
                     whole = tuple(slice(None) for _ in buffer_shapes[b])
-                    buffers[b] = files.read(found.keys[b], whole, _buffer(cm, b).dtype).to(cm.device)
+                    buffers[b] = files.read(found.keys[b], whole, buffer_of(cm, b).dtype).to(cm.device)
             read, prefix = files.read_bytes, found.prefix
         finally:
             files.close()
@@ -322,7 +331,7 @@ def load(cm, weights, model: nn.Module | None, dtype: torch.dtype | None = None
             state[found.keys[n]] = cm.as_dtensors({n: local})[n]
         wanted = [b for b in buffer_shapes if b in found.keys]
         for b in wanted:
-            state[found.keys[b]] = torch.empty_like(_buffer(cm, b))
+            state[found.keys[b]] = torch.empty(buffer_shapes[b], dtype=buffer_of(cm, b).dtype, device=cm.device)
         dcp.load(state, checkpoint_id=os.fspath(weights))
         pieces = {n: state[found.keys[n]].to_local() for n in held}
         buffers = {b: state[found.keys[b]] for b in wanted}
@@ -330,7 +339,8 @@ def load(cm, weights, model: nn.Module | None, dtype: torch.dtype | None = None
     return pieces, buffers, LoadReport(kind, elapsed(), read, peak, prefix)
 
 
-def _buffer(cm, name: str) -> torch.Tensor:
+def buffer_of(cm, name: str) -> torch.Tensor:
+    """A compiled model's buffer by name (whole: buffers are replicated)."""
     return cm._buffers[cm.logic.buffer_names.index(name)]
 
 
@@ -341,10 +351,12 @@ def _kind_without_model(weights) -> str:
     return check_source(weights, nn.Module())
 
 
-def computed_buffers(model: nn.Module, names: list[str], device: torch.device) -> list[torch.Tensor]:
+def computed_buffers(model: nn.Module, names: list[str], device: torch.device, init=INIT) -> list[torch.Tensor]:
     """`model`'s buffers `names` on `device`: their values, or where they are on the meta device
     (a model built on meta; non-persistent ones such as a rotary `inv_freq` are in no checkpoint)
-    computed by their modules' initialization ("init"). torch's random generator is left as it was."""
+    computed by their modules' initialization (`init`: "init" or an init function); those it does not
+    write stay on meta, for a checkpoint to fill (`check_buffers`). torch's random generator is left
+    as it was."""
     from hotswitch.runtime.meta_init import initialized
 
     state = dict(model.named_buffers(remove_duplicate=False))
@@ -353,8 +365,20 @@ def computed_buffers(model: nn.Module, names: list[str], device: torch.device) -
     if meta:
         rng = torch.get_rng_state()
         try:
-            for owners, value in initialized(model, INIT, only=meta):
+            for owners, value in initialized(model, init, only=meta, strict=False):
                 values.update(dict.fromkeys(owners, value))
         finally:
             torch.set_rng_state(rng)
-    return [(values[n] if n in values else state[n].detach()).to(device, copy=True) for n in names]
+    return [values[n].to(device, copy=True) if n in values else
+            state[n].detach().to(device, copy=True) if state[n].device.type != "meta" else state[n].detach()
+            for n in names]
+
+
+def check_buffers(names: list[str], buffers: list[torch.Tensor], source) -> None:
+    """ValueError naming the buffers that neither `source` nor their modules' initialization gave a value."""
+    absent = [n for n, b in zip(names, buffers) if b.device.type == "meta"]
+    if absent:
+        raise ValueError(f"buffer(s) {_few(absent)} have no value: the model built them on the meta device, "
+                         f"weights={source!r} holds none and their modules' initialization (reset_parameters / "
+                         "_init_weights) does not write them; register them outside torch.device('meta'), or pass "
+                         "weights=init_fn that computes them")

@@ -160,7 +160,9 @@ class Trainer:
     results stay exact), `logic` (the LogicGraph of an
     earlier Trainer of the same model: skips tracing), `cp_layout` (see `hs.compile`), `backend`
     ("eager", or "inductor": every ExecGraph compiled by Inductor on its first step; "auto"'s
-    measurements run eagerly), `grad_bucket_bytes` (see `hs.compile`). Call `step` with the same global
+    measurements run eagerly), `grad_bucket_bytes` (see `hs.compile`), `weights` (see `hs.compile`:
+    for a model built on the meta device, "init", an init function or a checkpoint path; the fp32
+    masters are read or initialized shard-wise in the base layout). Call `step` with the same global
     batch on every rank.
     """
 
@@ -445,6 +447,18 @@ class Trainer:
         """Full fp32 weights under the keys of the model's state_dict (a collective: every rank)."""
         full = self.cm.full_state_dict(params=self._master_shards())
         return {k.removeprefix("model."): v for k, v in full.items()}
+
+    def save_pretrained(self, directory, config=None, *, max_shard_bytes: int = 2 << 30) -> None:
+        """The fp32 masters as a Hugging Face checkpoint (`CompiledModel.save_pretrained`: each rank
+        writes the tensors it gathered, no rank the whole model). A collective: every rank, between steps."""
+        self.cm.save_pretrained(directory, config, params=self._master_shards(), max_shard_bytes=max_shard_bytes)
+
+    def save_checkpoint(self, directory) -> None:
+        """The fp32 masters as a torch.distributed.checkpoint under the model's `state_dict()` names
+        (`weights=directory` loads it into any config). A collective: every rank, between steps."""
+        from hotswitch.runtime.saving import save_checkpoint
+
+        save_checkpoint(self.cm, directory, params=self._master_shards(), strip="model.")
 
     # -------------------------------------------------------------------------------- job state
     def job_state(self) -> dict[str, torch.Tensor]:
