@@ -161,7 +161,8 @@ class CompiledModel:
         if st.config.pp == 1:
             self._inputs.check_split(st, shapes)
         local = st.local_batch_shapes(shapes, self._sequence_inputs)
-        return self._programs.get(st, local, train=True, reduce=st.config.pp == 1).joint
+        return self._programs.get(st, local, train=True, reduce=st.config.pp == 1,
+                                  cp_length=st.cp_length(shapes, self._sequence_inputs)).joint
 
     def switch(self, name: str, algorithm: str = "greedy", weights: dict[str, torch.Tensor] | None = None
                ) -> SwitchStats:
@@ -338,7 +339,8 @@ class CompiledModel:
     def _step_program(self, st: ConfigState, local_inputs, shapes: tuple, *, train: bool) -> fx.GraphModule:
         """The program of one pp = 1 call on `local_inputs` (of a global batch of `shapes`), its
         reduction inside; refused where uneven rows meet an op that mixes them (`checked_rows`)."""
-        program = self._programs.get(st, tuple(tuple(x.shape) for x in local_inputs), train=train, reduce=True)
+        program = self._programs.get(st, tuple(tuple(x.shape) for x in local_inputs), train=train, reduce=True,
+                                     cp_length=st.cp_length(shapes, self._sequence_inputs))
         return self._inputs.checked_rows(st, program, self._inputs.uneven(st, shapes)).joint
 
     def _attention(self, st: ConfigState):
@@ -558,8 +560,11 @@ class CompiledModel:
         pp = st.config.pp
         micro = list(zip(*(x.tensor_split(k, dim=0) for x in local_inputs)))
         uneven = f"they hold {fewest} to {most} rows" if most != fewest else None
+        # (micro-batches share the batch's sequence: where cp cuts it unevenly, its global length)
+        cp_length = st.cp_length(self._inputs.global_shapes(st, local_inputs), self._sequence_inputs) \
+            if st.config.cp > 1 else None
         programs = [self._inputs.checked_rows(st, self._programs.get(st, tuple(tuple(x.shape) for x in mb), train=train,
-                                                         reduce=False), uneven) for mb in micro]
+                                                         reduce=False, cp_length=cp_length), uneven) for mb in micro]
         assert all(
             p.deferred_specs[i].placements == programs[0].deferred_specs[i].placements
             for p in programs
