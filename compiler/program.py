@@ -299,7 +299,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None,
                                            cp_axis=axis.get("cp"), seq_symbol=seq_sym,
                                            pinned_nodes=param_views(graph, n_p), strict=strict, memo=memo,
-                                           decided=decided)
+                                           decided=decided, config=where.name)
             except BaseException:
                 if key is not None and decided is None:
                     cache.failed(key)
@@ -354,7 +354,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 # with the DP reduction inside, its buckets reduced behind the rest of the backward
                 gm = lower(graph, sharding, local, plan, mesh, bucket_bytes, device=where.device,
                            traced=None if memo is None else memo.setdefault("traced", {}), reduce_early=reduce,
-                           attention=attention, codeless=sample)
+                           attention=attention, codeless=sample, config=where.name)
             except BaseException:
                 if shared is not None:
                     cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)

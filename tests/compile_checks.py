@@ -223,9 +223,9 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
     original = program.lower
 
     def both(graph, sharding, local, plan, mesh, bucket_bytes=BUCKET_BYTES, device=None, traced=None,
-             reduce_early=False, attention=None, codeless=False):
+             reduce_early=False, attention=None, codeless=False, config=""):
         gm = original(graph, sharding, local, plan, mesh, bucket_bytes, device=device, traced=traced,
-                      reduce_early=reduce_early, attention=attention, codeless=codeless)
+                      reduce_early=reduce_early, attention=attention, codeless=codeless, config=config)
         expected = lower_by_make_fx(graph, sharding, local, plan, mesh, bucket_bytes, device)
         add_hand_offs(expected.graph, sharding.output_specs, plan, bucket_bytes)
         if attention is not None:  # torch's kernels for the runner's device, written in alike, and
