@@ -3,10 +3,11 @@
 `c_attn` split along its features, learned positions, tied head), Llama (grouped-query attention,
 RoPE), Qwen2 (biased q/k/v, tied head) and Phi-3 (fused q/k/v and gate/up projections) under cp4,
 dp2cp2 and tp2cp2, at a length cp divides and at one it does not (torch.chunk's pieces: the last
-rank holds fewer positions, or none), and GPT-2 and Phi-3 packed into documents in the document layout; each
-equal to one device. Also: the redistributions of [batch x seq] rows those configs lower when a fused
-projection is replicated over tp (the rows strided over cp, then split over tp), and the error of
-an op that cannot be sharded along the sequence.
+rank holds fewer positions, or none); GPT-2 and Phi-3 also packed into documents with their ids, in
+the document layout and, at the uneven length, in the contiguous one. Each equal to one device.
+Also: the redistributions of [batch x seq] rows those configs lower when a fused projection is
+replicated over tp (the rows strided over cp, then split over tp), and the errors of an op that
+cannot be sharded along the sequence and of a lowering that fails.
 """
 import copy
 
@@ -36,9 +37,10 @@ def _batch(length: int, rows: int = 2) -> dict:
     return dict(input_ids=ids, labels=ids)  # as Hugging Face takes them: the model shifts the labels
 
 
-def _packed_batch() -> tuple:
-    """Two rows of EVEN tokens, several documents each (positions restart per document), with their ids."""
-    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ([3, 5], [1, 4, 3])])
+def _packed_batch(length: int = EVEN) -> tuple:
+    """Two rows of documents (positions restart per document), with their ids."""
+    documents = {EVEN: ([3, 5], [1, 4, 3]), UNEVEN: ([2, 3], [5])}[length]
+    positions = torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in documents])
     ids = torch.randint(0, VOCAB, positions.shape, generator=torch.Generator().manual_seed(3))
     labels = torch.full_like(ids, -100)
     labels[:, :-1] = ids[:, 1:]
@@ -69,7 +71,9 @@ def _errors(cm, inputs, ref_model) -> dict:
 
 def _equivalence(kind: str, document: bool) -> dict:
     """The model compiled once for the three configs, run at both lengths; with `document`, then
-    packed documents (PackedCausalLMLoss, as the Trainer calls it) in the document layout."""
+    packed documents with their ids (PackedCausalLMLoss, as the Trainer calls it: attention is
+    `document_attention`, its keys and values fetched by the runtime) in the document layout, and at
+    the uneven length in the contiguous one."""
     torch.manual_seed(0)  # the same weights on every rank
     model = build_hf_model(kind, vocab_size=VOCAB, **TINY[kind]).model
     cm = hs.compile(model, _batch(EVEN), configs=list(CONFIGS))
@@ -79,6 +83,8 @@ def _equivalence(kind: str, document: bool) -> dict:
         packed = PackedCausalLMLoss(model)
         documents = hs.compile(packed, _packed_batch(), configs=list(CONFIGS), cp_layout="document")
         errors["document", EVEN] = _errors(documents, _packed_batch(), packed)
+        documents.cp_layout = "contiguous"
+        errors["contiguous with document ids", UNEVEN] = _errors(documents, _packed_batch(UNEVEN), packed)
     return errors
 
 
@@ -208,7 +214,8 @@ results = dist_fixture(4, [check_nested_strided_redistributions, check_unshardab
 
 
 def _assert_equal_to_one_device(errors: dict, document: bool) -> None:
-    assert set(errors) == {("contiguous", EVEN), ("contiguous", UNEVEN), *([("document", EVEN)] if document else [])}
+    documents = [("document", EVEN), ("contiguous with document ids", UNEVEN)] if document else []
+    assert set(errors) == {("contiguous", EVEN), ("contiguous", UNEVEN), *documents}, errors
     for (layout, length), by_config in errors.items():
         assert set(by_config) == set(CONFIGS), by_config
         for name, (loss_err, grad_err) in by_config.items():

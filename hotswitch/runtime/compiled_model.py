@@ -26,7 +26,7 @@ from hotswitch.compiler.trace import LogicGraph
 from hotswitch.distconfig import DistConfig, Layout, Topology, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device
 from hotswitch.runtime.backend import GraphRunner
-from hotswitch.runtime.config_state import ConfigState, layouts_on, make_config_state, parameter_layouts
+from hotswitch.runtime.config_state import ConfigState, chunk_span, layouts_on, make_config_state, parameter_layouts
 from hotswitch.runtime.inputs import InputSharding, checked_cp_layout
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
 from hotswitch.runtime.programs import Programs
@@ -298,7 +298,7 @@ class CompiledModel:
             self._switcher.settle_hand_off()  # these gradients change after it was armed: moved by the switch instead
             handoff = None
         if micro_batches != 1 or st.config.pp > 1:
-            with self._attention(st):
+            with self._attention(st, local_inputs):
                 return self._pipelined(st, local_inputs, micro_batches, schedule, grad_scale, train=True)
         shapes = self._inputs.global_shapes(st, local_inputs)
         self._inputs.check_split(st, shapes)
@@ -314,7 +314,7 @@ class CompiledModel:
             handoff.final(mine)
 
         run = self._runner(gm, f"{st.config.name}'s training step")
-        with self._attention(st), handing_off(final) if handoff is not None else contextlib.nullcontext():
+        with self._attention(st, local_inputs), handing_off(final) if handoff is not None else contextlib.nullcontext():
             outs = run(*self._local_params(), *self._buffers, *local_inputs)
         if handoff is not None:
             handoff.ran = True
@@ -327,12 +327,12 @@ class CompiledModel:
         local_inputs = self._on_device(self.call.flatten(args, kwargs, what="the compiled model's call"))
         st = self._states[self._active]
         if st.config.pp > 1:
-            with torch.no_grad(), self._attention(st):
+            with torch.no_grad(), self._attention(st, local_inputs):
                 return self._pipelined(st, local_inputs, 1, None, 1.0, train=False)
         shapes = self._inputs.global_shapes(st, local_inputs)
         self._inputs.check_split(st, shapes)
         gm = self._step_program(st, local_inputs, shapes, train=False)
-        with torch.no_grad(), self._attention(st):
+        with torch.no_grad(), self._attention(st, local_inputs):
             return self._runner(gm, f"{st.config.name}'s forward")(*self._local_params(), *self._buffers,
                                                                    *local_inputs)[0]
 
@@ -343,15 +343,19 @@ class CompiledModel:
                                      cp_length=st.cp_length(shapes, self._sequence_inputs))
         return self._inputs.checked_rows(st, program, self._inputs.uneven(st, shapes)).joint
 
-    def _attention(self, st: ConfigState):
+    def _attention(self, st: ConfigState, local_inputs):
         """Under cp, `document_attention` on a sequence shard fetches the keys and values other cp
-        ranks hold (`runtime.cp_attention`); elsewhere it runs on the local data as on one device."""
-        if st.config.cp == 1:
+        ranks hold (`runtime.cp_attention`); elsewhere it runs on the local data as on one device.
+        Where cp does not divide the length, the cp ranks' positions per row differ: it is told them."""
+        cp = st.config.cp
+        if cp == 1:
             return contextlib.nullcontext()
         from hotswitch.kernels.attention import local_implementation
         from hotswitch.runtime.cp_attention import ContextParallelAttention
 
-        return local_implementation(ContextParallelAttention(self.process_group(st.config.name, "cp")))
+        length = st.cp_length(self._inputs.global_shapes(st, local_inputs), self._sequence_inputs)
+        lengths = None if length is None else tuple(chunk_span(length, cp, r)[1] for r in range(cp))
+        return local_implementation(ContextParallelAttention(self.process_group(st.config.name, "cp"), lengths))
 
     def _on_device(self, local_inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Inputs moved to the device this rank computes on (a CPU batch on an NCCL job, say)."""
