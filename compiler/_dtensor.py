@@ -294,8 +294,98 @@ def redistribute(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> tor
     gathered = _gather_strided(local, src, dst)
     if gathered is not None:
         return gathered
+    if _nests_strided(src) or _nests_strided(dst):
+        return _redistribute_nested(local, src, dst)
     with _shard_to_shard_by_all_gather():
         return redistribute_local_tensor(local, src, dst)
+
+
+def _shards(p, dim: int | None = None) -> bool:
+    return isinstance(p, (Shard, StridedShard)) and (dim is None or p.dim == dim)
+
+
+def _nests_strided(spec: DTensorSpec) -> bool:
+    """Is a tensor dim sharded over two mesh dims, one of them by a _StridedShard ([batch x seq]
+    rows sequence-sharded over cp and split over dp or tp)?"""
+    dims = [p.dim for p in spec.placements if _shards(p)]
+    return any(isinstance(p, StridedShard) and dims.count(p.dim) > 1 for p in spec.placements)
+
+
+def _redistribute_nested(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> torch.Tensor:
+    """`redistribute` where a tensor dim is sharded over several mesh dims, one of them strided.
+    DTensor's planner sizes each step's gather by the plain Shards of the mesh dims before it only
+    (its greedy path, taken whenever a _StridedShard is not a shard order): after cp's _StridedShard
+    of [batch x seq] rows and tp's Shard of the batch, a gather over tp took its piece for the whole
+    dim and refused to unpad ("Expected cond to be True"); its strided gathers of uneven pieces
+    disagree in size across ranks (gloo aborts), and a strided shard inside a Shard gathered into
+    wrong values. Done here in mesh order (the order `local_shape` composes):
+    innermost first, every shard that changes, or that nests in a changing one, is gathered (each
+    gather sized by the mesh dims before it); then, outermost first, each mesh dim takes its target
+    (a local chunk, a strided local chunk, a reduction or a reduce-scatter)."""
+    mesh, shape, target = src.mesh, src.shape, dst.placements
+    current = list(src.placements)
+    changed_from: dict[int, int] = {}  # tensor dim -> first mesh dim whose sharding of it changes
+    for i, (a, b) in enumerate(zip(current, target)):
+        if a != b:
+            for p in (a, b):
+                if _shards(p):
+                    changed_from.setdefault(p.dim, i)
+    for i in reversed(range(mesh.ndim)):
+        p = current[i]
+        if _shards(p) and (p != target[i] or changed_from.get(p.dim, mesh.ndim) < i):
+            size = _logical_size(shape, mesh, current, i, p.dim)
+            if isinstance(p, StridedShard):
+                local = _strided_whole(local, p.dim, int(p.split_factor), size, mesh, i)
+            else:
+                local = p._to_replicate_tensor(local, mesh, i, _with_dim(shape, p.dim, size))
+            current[i] = Replicate()
+    for i in range(mesh.ndim):
+        p, q = current[i], target[i]
+        if p == q:
+            continue
+        if p.is_replicate() and isinstance(q, StridedShard):
+            local = _strided_piece(local, q.dim, int(q.split_factor), mesh, i)
+        elif p.is_replicate() and _shards(q):
+            local = q._replicate_to_shard(local, mesh, i, mesh.get_local_rank(i))
+        elif p.is_partial() and q.is_replicate():
+            local = p._reduce_value(local, mesh, i)
+        elif p.is_partial() and type(q) is Shard:
+            local = p._reduce_shard_value(local, mesh, i, q)
+        else:
+            raise NotImplementedError(f"redistribution {src.placements} -> {dst.placements}: no step {p} -> {q} "
+                                      f"on mesh dim {i}")
+        current[i] = q
+    return local
+
+
+def _logical_size(shape, mesh, placements, i: int, dim: int) -> int:
+    """The size of `dim` as mesh dims 0..i-1 leave it on this rank (the piece mesh dim i shards);
+    torch.chunk's semantics, _StridedShards as `strided_runs` (with this rank's coordinates as
+    plain ints: under make_fx DTensor's own helper reads them as data-dependent symbols)."""
+    size, coordinate = int(shape[dim]), mesh.get_coordinate()
+    for j, p in enumerate(placements[:i]):
+        if not _shards(p, dim):
+            continue
+        n, c = mesh.size(j), coordinate[j]
+        if isinstance(p, StridedShard):
+            size = sum(length for _, _, length in strided_runs(size, int(p.split_factor), n)[c])
+        else:
+            step = -(-size // n)
+            size = max(0, min(step, size - c * step))
+    return size
+
+
+def _with_dim(shape, dim: int, size: int) -> list[int]:
+    out = list(shape)
+    out[dim] = size
+    return out
+
+
+def _strided_piece(whole: torch.Tensor, dim: int, split_factor: int, mesh, i: int) -> torch.Tensor:
+    """This rank's _StridedShard(dim, split_factor) piece over mesh dim `i` of a tensor it holds whole
+    along `dim` (a local slice; `strided_runs`)."""
+    runs = strided_runs(whole.shape[dim], split_factor, mesh.size(i))[mesh.get_local_rank(i)]
+    return torch.cat([whole.narrow(dim, start, length) for start, _, length in runs], dim=dim).contiguous()
 
 
 def _all_gather_and_chunk(original, input, gather_dim, shard_dim, mesh, mesh_dim):
@@ -350,25 +440,30 @@ def _gather_strided(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> 
                 isinstance(p, (Shard, StridedShard)) and p.dim == target.dim
                 for spec in (src, dst) for j, p in enumerate(spec.placements) if j != i):
             return None
-    n, sf, size = src.mesh.size(i), int(placement.split_factor), int(src.shape[d])
-    from torch.distributed import _functional_collectives as funcol
-
-    if size % (sf * n) == 0:
-        gathered = funcol.all_gather_tensor(local.contiguous(), gather_dim=d, group=(src.mesh, i))
-        shape = list(gathered.shape)
-        blocks = gathered.view(*shape[:d], n, sf, size // (sf * n), *shape[d + 1:])  # [rank, piece, chunk]
-        whole = blocks.transpose(d, d + 1).reshape(*shape[:d], size, *shape[d + 1:])
-    else:
-        runs = strided_runs(size, sf, n)
-        widest = max(sum(length for _, _, length in rank) for rank in runs)
-        if local.shape[d] < widest:
-            pad = [0, 0] * (local.dim() - 1 - d) + [0, widest - local.shape[d]]
-            local = torch.nn.functional.pad(local, pad)
-        gathered = funcol.all_gather_tensor(local.contiguous(), gather_dim=d, group=(src.mesh, i))
-        whole = strided_in_order(gathered, runs, widest, d)
+    whole = _strided_whole(local, d, int(placement.split_factor), int(src.shape[d]), src.mesh, i)
     if target.is_replicate():
         return whole
-    return Shard._custom_chunk(whole, n, dim=target.dim)[src.mesh.get_local_rank(i)].contiguous()
+    return Shard._custom_chunk(whole, src.mesh.size(i), dim=target.dim)[src.mesh.get_local_rank(i)].contiguous()
+
+
+def _strided_whole(local: torch.Tensor, d: int, sf: int, size: int, mesh, i: int) -> torch.Tensor:
+    """The `size` elements of dim `d` that mesh dim `i` shards _StridedShard(d, sf), gathered from
+    every rank's piece and put back in order (see `_gather_strided`)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    n = mesh.size(i)
+    if size % (sf * n) == 0:
+        gathered = funcol.all_gather_tensor(local.contiguous(), gather_dim=d, group=(mesh, i))
+        shape = list(gathered.shape)
+        blocks = gathered.view(*shape[:d], n, sf, size // (sf * n), *shape[d + 1:])  # [rank, piece, chunk]
+        return blocks.transpose(d, d + 1).reshape(*shape[:d], size, *shape[d + 1:])
+    runs = strided_runs(size, sf, n)
+    widest = max(sum(length for _, _, length in rank) for rank in runs)
+    if local.shape[d] < widest:
+        pad = [0, 0] * (local.dim() - 1 - d) + [0, widest - local.shape[d]]
+        local = torch.nn.functional.pad(local, pad)
+    gathered = funcol.all_gather_tensor(local.contiguous(), gather_dim=d, group=(mesh, i))
+    return strided_in_order(gathered, runs, widest, d)
 
 
 def strided_in_order(gathered: torch.Tensor, runs: list, widest: int, dim: int) -> torch.Tensor:

@@ -42,7 +42,7 @@ from .reduce import (
     output_finisher,
     scattered_units,
 )
-from .sharding import Decision, GraphSharding
+from .sharding import Decision, GraphSharding, ShardingError, unshardable
 
 aten = torch.ops.aten
 
@@ -60,6 +60,7 @@ def lower(
     attention: tuple[torch.device, bool] | None = None,
     codeless: bool = False,
     fsdp: GatherPlan | None = None,
+    config: str = "",
 ) -> fx.GraphModule:
     """Build this rank's program: local shards in, (loss, *local grads) out, collectives as nodes.
 
@@ -77,6 +78,7 @@ def lower(
     `fsdp`: parameters whose placeholders hold fsdp shards (`compiler.fsdp`): a unit's are all-gathered
     into the placements they compute in before its first use in each phase, the next unit's
     gather issued behind it (`fsdp.prefetch_gathers`).
+    `config`: the config's name, which a node that fails to lower names (`sharding.unshardable`).
     """
     decisions = sharding.decisions
     on_device = placed_on(device)
@@ -87,60 +89,67 @@ def lower(
     read = _fsdp_reader(graph, program, env, fsdp, mesh) if fsdp is not None else (lambda src, node: env[src])
     inputs = iter(local_inputs)
     for node in graph.nodes:
-        if node.op == "placeholder":
-            env[node] = program.placeholder(next(inputs))
-            continue
-        if node.op == "output":
-            leaves = [env[a] for a in pytree.tree_leaves(node.args[0])]
-            if isinstance(out_plan, OutputPlan) and OnProgram.takes(leaves):
-                result = finish_outputs(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes,
-                                        OnProgram(program, node))
+        try:
+            if node.op == "placeholder":
+                env[node] = program.placeholder(next(inputs))
+                continue
+            if node.op == "output":
+                leaves = [env[a] for a in pytree.tree_leaves(node.args[0])]
+                if isinstance(out_plan, OutputPlan) and OnProgram.takes(leaves):
+                    result = finish_outputs(leaves, sharding.output_specs, out_plan, mesh, bucket_bytes,
+                                            OnProgram(program, node))
+                else:
+                    # what the end depends on: the outputs' local and global layouts (a gradient's are its
+                    # parameter's), not the sequence length: traced once per config, reused at other lengths
+                    key = ("finish", id(mesh), out_plan, tuple(sharding.output_specs), bucket_bytes, device,
+                           tuple(_layout(v.meta["val"]) if isinstance(v, fx.Node) else ("const", repr(v))
+                                 for v in leaves))
+                    result = program.inline(key, lambda *values: finish(list(values)), leaves, node)
+                program.output(result)
+                add_hand_offs(program.graph, sharding.output_specs, out_plan, bucket_bytes)
+                break
+            d = decisions[node]
+            if d.kind == "drop":
+                continue
+            if d.kind == "const":
+                env[node] = d.value
+            elif d.kind == "getitem":
+                env[node] = program.getitem(env[node.args[0]], node.args[1], node.args[0])  # a part of its op
+            elif _has_mask_partial(d):
+                # a vocab-parallel _MaskPartial carries the mask its input redistribution computes to the
+                # reduction of the op's output: the three are traced together
+                inputs = [read(n, node) for n in d.tensor_nodes]
+                try:
+                    out = tuple(d.out_spec) if isinstance(d.out_spec, (tuple, list)) else d.out_spec
+                    key = ("decision", id(mesh), node.target, tuple(d.in_specs), tuple(d.want_specs), out,
+                           d.reduce_to, _signature(d.args), _signature(d.kwargs),
+                           tuple(_layout(v.meta["val"]) for v in inputs), device)
+                    hash(key)
+                except TypeError:  # an argument that cannot be a key: traced every time
+                    key = None
+                env[node] = program.inline(key, _run_decision(node, d, on_device), inputs, node)
             else:
-                # what the end depends on: the outputs' local and global layouts (a gradient's are its
-                # parameter's), not the sequence length: traced once per config, reused at other lengths
-                key = ("finish", id(mesh), out_plan, tuple(sharding.output_specs), bucket_bytes, device,
-                       tuple(_layout(v.meta["val"]) if isinstance(v, fx.Node) else ("const", repr(v)) for v in leaves))
-                result = program.inline(key, lambda *values: finish(list(values)), leaves, node)
-            program.output(result)
-            add_hand_offs(program.graph, sharding.output_specs, out_plan, bucket_bytes)
-            break
-        d = decisions[node]
-        if d.kind == "drop":
-            continue
-        if d.kind == "const":
-            env[node] = d.value
-        elif d.kind == "getitem":
-            env[node] = program.getitem(env[node.args[0]], node.args[1], node.args[0])  # a part of its op
-        elif _has_mask_partial(d):
-            # a vocab-parallel _MaskPartial carries the mask its input redistribution computes to the
-            # reduction of the op's output: the three are traced together
-            inputs = [read(n, node) for n in d.tensor_nodes]
-            try:
-                out = tuple(d.out_spec) if isinstance(d.out_spec, (tuple, list)) else d.out_spec
-                key = ("decision", id(mesh), node.target, tuple(d.in_specs), tuple(d.want_specs), out, d.reduce_to,
-                       _signature(d.args), _signature(d.kwargs), tuple(_layout(v.meta["val"]) for v in inputs), device)
-                hash(key)
-            except TypeError:  # an argument that cannot be a key: traced every time
-                key = None
-            env[node] = program.inline(key, _run_decision(node, d, on_device), inputs, node)
-        else:
-            tensors = []
-            for src, have, want in zip(d.tensor_nodes, d.in_specs, d.want_specs):
-                value = read(src, node)
-                if have.placements != want.placements:
-                    key = (src, want.placements)
-                    if key not in moved:
-                        moved[key] = _filled_piece(program, value, have, want, node) \
-                            or program.redistribute(value, have, want, node)
-                    value = moved[key]
-                tensors.append(value)
-            it = iter(tensors)
-            fill = lambda a: next(it) if isinstance(a, dt.DTensorSpec) else a  # noqa: E731
-            out = program.call(node.target, map_args(fill, d.args),
-                               on_device(map_args(fill, dict(d.kwargs))), node)
-            if d.reduce_to is not None:
-                out = program.redistribute(out, d.out_spec, d.reduce_to, node)
-            env[node] = out
+                tensors = []
+                for src, have, want in zip(d.tensor_nodes, d.in_specs, d.want_specs):
+                    value = read(src, node)
+                    if have.placements != want.placements:
+                        key = (src, want.placements)
+                        if key not in moved:
+                            moved[key] = _filled_piece(program, value, have, want, node) \
+                                or program.redistribute(value, have, want, node)
+                        value = moved[key]
+                    tensors.append(value)
+                it = iter(tensors)
+                fill = lambda a: next(it) if isinstance(a, dt.DTensorSpec) else a  # noqa: E731
+                out = program.call(node.target, map_args(fill, d.args),
+                                   on_device(map_args(fill, dict(d.kwargs))), node)
+                if d.reduce_to is not None:
+                    out = program.redistribute(out, d.out_spec, d.reduce_to, node)
+                env[node] = out
+        except ShardingError:
+            raise
+        except Exception as e:  # a redistribution, or the op on local shapes: said with the node it ran for
+            raise _not_lowered(node, decisions.get(node), e, config) from e
     if attention is not None:
         _attention.fuse_attention(program.graph, *attention, keep_meta=SOURCE_META)
     if reduce_early:
@@ -150,6 +159,20 @@ def lower(
     if fsdp is not None:
         prefetch_gathers(program.graph)
     return program.module(codeless)
+
+def _not_lowered(node: fx.Node, d: Decision | None, error: Exception, config: str) -> ShardingError:
+    """A node whose decision failed to execute on this rank's shards (a redistribution, or the op on
+    local shapes): our failure, not the model's, said with the node, its placements and the way on."""
+    first_line = str(error).splitlines()[0][:200] if str(error) else ""
+    problem = f"lowering it failed ({type(error).__name__}: {first_line})"
+    if d is None or d.kind != "op":
+        return unshardable(config, node, problem, [], "Leave that config out of the configs, and report this.")
+    want = [tuple(s.placements) for s in d.want_specs]
+    out = d.reduce_to if d.reduce_to is not None else d.out_spec
+    out = tuple(out.placements) if isinstance(out, dt.DTensorSpec) else out
+    return unshardable(config, node, problem, [tuple(s.placements) for s in d.in_specs],
+                       f"The op was to run with its inputs as {want}, giving {out}. Leave "
+                       f"{config or 'this config'!r} out of the configs to go on, and report this.")
 
 
 # tensor-free factories of one value everywhere (their first argument the size): any piece of what

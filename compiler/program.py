@@ -163,10 +163,12 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                   local_shapes: tuple, input_dtypes: list[torch.dtype], *, train: bool, reduce: bool = False,
                   strict: bool = True, memo: dict | None = None, decided: ShardingDecisions | None = None,
                   cache: CompileCache | None = None, sample: bool = False,
-                  bucket_bytes: int = BUCKET_BYTES) -> StageProgram:
+                  bucket_bytes: int = BUCKET_BYTES, cp_length: int | None = None) -> StageProgram:
     """Lower one stage (None: the whole model) for local micro-batches of `local_shapes` (this rank's
-    rows) on `where.mesh`. `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`;
-    it also keeps the redistributions `lower` traced);
+    rows) on `where.mesh`. `cp_length`: the global sequence length where cp does not divide it (the
+    cp ranks' local lengths then differ; otherwise the global length is the local one times cp).
+    `memo`: a propagation cache owned by the caller (see `_dtensor.propagation`; it also keeps the
+    redistributions `lower` traced);
     `decided`: the same graph's decisions under the same placements at another shape, replayed
     instead of searched (the program's `decisions` are what to pass next time); `cache`: the compile cache
     as the runtime consults it (`SharedCache`: get / put / keeps / key / failed / report, on disk and
@@ -197,7 +199,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
     boundary = phs[n_p + n_b + n_i:]
     # context parallelism shards every input's sequence dim (dim 1) over "cp"
     cp_inputs = [cp > 1 and along_seq for along_seq in logic.sequence_inputs()]
-    virtual = [(s[0] * dp, s[1] * cp, *s[2:]) if along_seq else (s[0] * dp, *s[1:])
+    virtual = [(s[0] * dp, cp_length or s[1] * cp, *s[2:]) if along_seq else (s[0] * dp, *s[1:])
                for s, along_seq in zip(local_shapes, cp_inputs)]
     values, batch_syms, seq_sym = {}, set(), None
     for ph, shape in zip(inputs, virtual):
@@ -271,7 +273,8 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
         # propagation is a function of the graph, the specs and the decisions it replays: so is the
         # program, with this rank's coordinate (`any_dp`: one program for every dp coordinate)
         coordinate = tuple(None if any_dp and i == dp_dim else c for i, c in enumerate(mesh.get_coordinate()))
-        return cache.key("program", *what, tuple(map(tuple, local_shapes)), coordinate,
+        shapes = (tuple(map(tuple, local_shapes)), *([cp_length] if cp_length else []))
+        return cache.key("program", *what, *shapes, coordinate,
                          train, reduce, logic.split_loss, str(where.device), bucket_bytes,
                          kernels,
                          _canonical(decisions), constants_digest(graph))
@@ -318,7 +321,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 sharding = propagate_graph(graph, mesh, specs, sp_axis=axis.get("tp") if where.sp else None,
                                            cp_axis=axis.get("cp"), seq_symbol=seq_sym,
                                            pinned_nodes=param_views(graph, n_p), strict=strict, memo=memo,
-                                           decided=decided)
+                                           decided=decided, config=where.name)
             except BaseException:
                 if key is not None and decided is None:
                     cache.failed(key)
@@ -375,7 +378,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                 # with the DP reduction inside, its buckets reduced behind the rest of the backward
                 gm = lower(graph, sharding, local, plan, mesh, bucket_bytes, device=where.device,
                            traced=None if memo is None else memo.setdefault("traced", {}), reduce_early=reduce,
-                           attention=attention, codeless=sample, fsdp=gathers)
+                           attention=attention, codeless=sample, fsdp=gathers, config=where.name)
             except BaseException:
                 if shared is not None:
                     cache.failed(shared)  # the ranks waiting for it lower it themselves (and raise the same)

@@ -38,14 +38,13 @@ from .sharding import (
     Decision,
     GraphSharding,
     ShardingDecisions,
-    ShardingError,
     _absolute_strided,
     _encoded,
     _has_partial,
     _is_fresh,
     _is_tensor_node,
     _view_source,
-    source_line,
+    unshardable,
 )
 from .tp_rules import SIZED_VIEW_OPS, VIEW_OPS
 
@@ -72,25 +71,27 @@ def propagate_graph(graph: fx.Graph, mesh: dt.DeviceMesh, placeholder_specs: lis
                     cp_axis: int | None = None,
                     seq_symbol=None, pinned_nodes: set[fx.Node] = frozenset(), strict: bool = True,
                     keep_partial: set[fx.Node] | None = None, memo: dict | None = None,
-                    decided: ShardingDecisions | None = None) -> GraphSharding:
+                    decided: ShardingDecisions | None = None, config: str = "") -> GraphSharding:
     """Decide placements for every node. `keep_partial=None` runs the policy's two passes. DTensor's
     strategies run under hotswitch's policy only during this call (`_dtensor.propagation(memo)`).
     `decided`: this graph's decisions at another input shape, replayed where they apply.
     `sp_axis` / `cp_axis`: the mesh dims that shard the sequence (sequence / context parallelism):
-    partial values are reduce-scattered onto it there (under sp, those of parameter ops only)."""
+    partial values are reduce-scattered onto it there (under sp, those of parameter ops only).
+    `config`: the config's name, which an op it cannot shard names (`sharding.unshardable`)."""
     with dt.propagation(memo):
         if decided is not None and keep_partial is None:
             keep_partial = {n for n in graph.nodes if n.name in decided.keep_partial}
         return _propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, cp_axis=cp_axis,
                                 seq_symbol=seq_symbol, pinned_nodes=pinned_nodes, strict=strict,
-                                keep_partial=keep_partial, decided=decided)
+                                keep_partial=keep_partial, decided=decided, config=config)
 
 def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_symbol, pinned_nodes, strict,
-                     keep_partial, decided=None):
+                     keep_partial, decided=None, config=""):
     earlier: dict[fx.Node, Decision] = {}
     if keep_partial is None:
         first = propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, cp_axis=cp_axis,
-                                seq_symbol=seq_symbol, pinned_nodes=pinned_nodes, strict=strict, keep_partial=set())
+                                seq_symbol=seq_symbol, pinned_nodes=pinned_nodes, strict=strict, keep_partial=set(),
+                                config=config)
         partial = {n for n, d in first.decisions.items() if d.kind == "op" and _has_partial(d.out_spec)}
         keep_partial = _partials_to_keep(graph, partial)
         # the policy's second pass: an op whose inputs arrive as they did in the first pass is decided
@@ -118,7 +119,7 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
             d = _as_before(earlier[node], specs) if node in earlier else None
             if d is None:
                 d = alike.decision(node, "decide", lambda: _decide(node, mesh, specs, values, pinned_nodes, strict,
-                                                                   rows_sharded=cp_axis is not None))
+                                                                   rows_sharded=cp_axis is not None, config=config))
             if d.replayable and d.kind == "op" and _encoded(d) is not None:
                 searched.append(node.name)
         if d.kind == "op" and _has_partial(d.out_spec) and node not in keep_partial:
@@ -339,9 +340,10 @@ def _reduction_target(spec, node: fx.Node, sp_axis: int | None, seq_symbol, cp_a
         placements[i] = dt.Shard(seq) if onto_seq else dt.Replicate()
     return dt.DTensorSpec(spec.mesh, tuple(placements), spec.tensor_meta)
 
-def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool = False) -> Decision:
+def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool = False, config: str = "") -> Decision:
     """`rows_sharded`: the sequence is sharded (context parallelism), so flattened [batch x seq]
-    rows arrive as _StridedShards that row-wise ops should keep (`_propagate_strided_as_shard`)."""
+    rows arrive as _StridedShards that row-wise ops should keep (`_propagate_strided_as_shard`).
+    `config`: the config's name, for the error of an op it cannot shard (`sharding.unshardable`)."""
     target = node.target
     if target in _DROP_OPS:
         return Decision("drop")
@@ -410,14 +412,17 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
     else:
         first_line = str(error).splitlines()[0][:200] if str(error) else ""
         problem = f"{target} could not be sharded ({type(error).__name__}: {first_line})"
-    message = (
-        f"{problem} at graph node {node.name!r}, from {source_line(node)}; input placements: "
-        f"{[tuple(specs[n].placements) for n in tensor_nodes]}. Fix: rewrite that line with ops DTensor can shard, "
-        "or compile with strict=False to run it replicated (its inputs are gathered) with a warning."
-    )
+    # what runs it: its inputs whole on every mesh dim that shards one (strict=False gathers them there)
+    names = mesh.mesh_dim_names or tuple(f"mesh dim {i}" for i in range(mesh.ndim))
+    over = " and ".join(names[i] for i in range(mesh.ndim)
+                        if any(not specs[n].placements[i].is_replicate() for n in tensor_nodes))
+    fix = (f"It runs with its inputs replicated over {over} (Replicate there): compile with strict=False to "
+           f"gather them (with a warning), rewrite that line with ops DTensor can shard, or leave "
+           f"{config or 'this config'!r} out of the configs.")
+    error = unshardable(config, node, problem, [tuple(specs[n].placements) for n in tensor_nodes], fix)
     if strict:
-        raise ShardingError(message)
-    warnings.warn("hotswitch: " + message, stacklevel=2)
+        raise error
+    warnings.warn(f"hotswitch: {error}", stacklevel=2)
     return _fallback(node, mesh, specs, tensor_nodes, args, kwargs)
 
 def _unflatten_strided(target, args, kwargs, tensor_nodes, specs) -> Decision | None:

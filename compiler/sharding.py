@@ -28,7 +28,27 @@ _FRESH_OPS = _LIKE_OPS | {aten.new_zeros.default, aten.new_empty.default, aten.n
                           aten.ones.default, aten.scalar_tensor.default}
 
 class ShardingError(ValueError):
-    """An op that DTensor's strategies cannot shard; the message names the node and its source line."""
+    """An op a config cannot run as its inputs are sharded (DTensor has no strategy for them), or
+    could not execute as decided; the message (`unshardable`) names the config, the graph node, its
+    module and source line, its inputs' placements and what to do."""
+
+
+def unshardable(config: str, node: fx.Node, problem: str, placements: list, fix: str) -> ShardingError:
+    """The one wording of an op a config cannot run: which config, which op of which module and
+    line, what went wrong, its inputs' placements (one tuple per input, a placement per mesh dim),
+    and `fix`, what to do."""
+    return ShardingError(
+        f"{config or 'this config'!r} cannot run graph node {node.name!r} ({node.target}) in {module_of(node)}, "
+        f"from {source_line(node)}: {problem}; input placements: {placements}. {fix}")
+
+
+def module_of(node: fx.Node) -> str:
+    """The module a node was traced in, as `path (Class)` (the innermost of its `nn_module_stack`)."""
+    path, kind = list((node.meta.get("nn_module_stack") or {"": ("", None)}).values())[-1]
+    if not path:  # the root: the tracer's wrapper of the model (`signature.LossModule`)
+        return "the model's own forward"
+    name = getattr(kind, "__name__", None) or str(kind).rsplit(".", 1)[-1]
+    return f"{path} ({name})"
 
 def source_line(node: fx.Node) -> str:
     trace = node.meta.get("stack_trace") or ""

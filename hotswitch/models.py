@@ -335,12 +335,20 @@ def build_hf_model(kind: str, vocab_size: int = 1001, **overrides) -> HFCausalLM
     """A small Hugging Face model from a config with random weights (nothing is downloaded)."""
     import transformers
 
-    if kind == "llama":
-        cfg = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+    decoder = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                   attn_implementation="sdpa", tie_word_embeddings=False)
+                   attn_implementation="sdpa")
+    if kind in ("llama", "qwen2", "phi3"):
+        # Llama: grouped-query attention, RoPE, untied head; Qwen2: the same with biased q/k/v and a tied
+        # head; Phi-3: q/k/v fused into one projection and gate/up into another (split along features)
+        cfg = {**decoder, "tie_word_embeddings": kind == "qwen2"}
+        if kind == "phi3":
+            cfg.update(pad_token_id=0, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0)
         cfg.update(overrides)
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+        config, model_class = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                               "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                               "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM)}[kind]
+        model = model_class(config(**cfg))
     elif kind == "gpt2":
         cfg = dict(
             vocab_size=vocab_size,
@@ -358,5 +366,5 @@ def build_hf_model(kind: str, vocab_size: int = 1001, **overrides) -> HFCausalLM
         cfg.update(overrides)
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg))
     else:
-        raise ValueError(f"unknown Hugging Face model kind {kind!r}; choose 'llama' or 'gpt2'")
+        raise ValueError(f"unknown Hugging Face model kind {kind!r}; choose 'llama', 'qwen2', 'phi3' or 'gpt2'")
     return HFCausalLMLoss(model.train())

@@ -47,8 +47,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).norm().item() / scale if scale > 0 else (a - b).norm().item()
 
 
-def assert_equivalent(kind: str, configs, tol: float = 1e-5, extra_seq: int | None = 7) -> dict:
-    """Loss and every full gradient of every config within `tol` relative of the single-device model."""
+def assert_equivalent(kind: str, configs, tol: float = 1e-5, extra_seq: int | tuple[int, ...] | None = 7) -> dict:
+    """Loss and every full gradient of every config within `tol` relative of the single-device model;
+    then, under the last config, at each other length of `extra_seq`."""
     model = make_model(kind)
     ids, labels = batch()
     loss_ref, grads_ref = reference(model, ids, labels)
@@ -79,15 +80,16 @@ def assert_equivalent(kind: str, configs, tol: float = 1e-5, extra_seq: int | No
         report[config.name] = collective_counts(cm.exec_graph(config.name))
         # whether this rank loaded its training program (from a dp rank that lowered it for both)
         report.setdefault("loaded", {})[config.name] = any(
-            program.loaded for (_, train, _), program in cm._state(config.name).programs.items() if train)
-    if extra_seq:  # the LogicGraph is dynamic in the sequence length: another length compiles on demand
-        ids2, labels2 = batch(seq=extra_seq, seed=1)
+            program.loaded for key, program in cm._state(config.name).programs.items() if key[1])  # key[1]: train
+    # the LogicGraph is dynamic in the sequence length: another length compiles on demand
+    for seq in (extra_seq,) if isinstance(extra_seq, int) else extra_seq or ():
+        ids2, labels2 = batch(seq=seq, seed=1)
         loss_ref2, grads_ref2 = reference(model, ids2, labels2)
         cm.zero_grad()
         loss2 = cm.forward_backward(*cm.shard_inputs(ids2, labels2))
-        assert abs(loss2.item() - loss_ref2.item()) <= tol * abs(loss_ref2.item())
+        assert abs(loss2.item() - loss_ref2.item()) <= tol * abs(loss_ref2.item()), (seq, loss2, loss_ref2)
         grads2 = cm.full_grads()
-        assert max(rel_err(grads2[n], grads_ref2[n]) for n in grads_ref2) <= tol
+        assert max(rel_err(grads2[n], grads_ref2[n]) for n in grads_ref2) <= tol, seq
     return report
 
 
@@ -223,10 +225,10 @@ def lowering_equals_make_fx(kind: str, configs, **overrides) -> list[str | None]
     original = program.lower
 
     def both(graph, sharding, local, plan, mesh, bucket_bytes=BUCKET_BYTES, device=None, traced=None,
-             reduce_early=False, attention=None, codeless=False, fsdp=None):
+             reduce_early=False, attention=None, codeless=False, fsdp=None, config=""):
         assert fsdp is None, "the make_fx interpreter lowers no fsdp program"
         gm = original(graph, sharding, local, plan, mesh, bucket_bytes, device=device, traced=traced,
-                      reduce_early=reduce_early, attention=attention, codeless=codeless)
+                      reduce_early=reduce_early, attention=attention, codeless=codeless, config=config)
         expected = lower_by_make_fx(graph, sharding, local, plan, mesh, bucket_bytes, device)
         add_hand_offs(expected.graph, sharding.output_specs, plan, bucket_bytes)
         if attention is not None:  # torch's kernels for the runner's device, written in alike, and

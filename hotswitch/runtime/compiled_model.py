@@ -27,7 +27,7 @@ from hotswitch.distconfig import DistConfig, Layout, Topology, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device
 from hotswitch.runtime import weights as W
 from hotswitch.runtime.backend import GraphRunner
-from hotswitch.runtime.config_state import ConfigState, layouts_on, make_config_state, parameter_layouts
+from hotswitch.runtime.config_state import ConfigState, chunk_span, layouts_on, make_config_state, parameter_layouts
 from hotswitch.runtime.inputs import InputSharding, checked_cp_layout
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
 from hotswitch.runtime.programs import Programs
@@ -167,7 +167,8 @@ class CompiledModel:
         if st.config.pp == 1:
             self._inputs.check_split(st, shapes)
         local = st.local_batch_shapes(shapes, self._sequence_inputs)
-        return self._programs.get(st, local, train=True, reduce=st.config.pp == 1).joint
+        return self._programs.get(st, local, train=True, reduce=st.config.pp == 1,
+                                  cp_length=st.cp_length(shapes, self._sequence_inputs)).joint
 
     def switch(self, name: str, algorithm: str = "greedy", weights: dict[str, torch.Tensor] | None = None
                ) -> SwitchStats:
@@ -303,7 +304,7 @@ class CompiledModel:
             self._switcher.settle_hand_off()  # these gradients change after it was armed: moved by the switch instead
             handoff = None
         if micro_batches != 1 or st.config.pp > 1:
-            with self._attention(st):
+            with self._attention(st, local_inputs):
                 return self._pipelined(st, local_inputs, micro_batches, schedule, grad_scale, train=True)
         shapes = self._inputs.global_shapes(st, local_inputs)
         self._inputs.check_split(st, shapes)
@@ -319,7 +320,7 @@ class CompiledModel:
             handoff.final(mine)
 
         run = self._runner(gm, f"{st.config.name}'s training step")
-        with self._attention(st), handing_off(final) if handoff is not None else contextlib.nullcontext():
+        with self._attention(st, local_inputs), handing_off(final) if handoff is not None else contextlib.nullcontext():
             outs = run(*self._local_params(), *self._buffers, *local_inputs)
         if handoff is not None:
             handoff.ran = True
@@ -332,30 +333,35 @@ class CompiledModel:
         local_inputs = self._on_device(self.call.flatten(args, kwargs, what="the compiled model's call"))
         st = self._states[self._active]
         if st.config.pp > 1:
-            with torch.no_grad(), self._attention(st):
+            with torch.no_grad(), self._attention(st, local_inputs):
                 return self._pipelined(st, local_inputs, 1, None, 1.0, train=False)
         shapes = self._inputs.global_shapes(st, local_inputs)
         self._inputs.check_split(st, shapes)
         gm = self._step_program(st, local_inputs, shapes, train=False)
-        with torch.no_grad(), self._attention(st):
+        with torch.no_grad(), self._attention(st, local_inputs):
             return self._runner(gm, f"{st.config.name}'s forward")(*self._local_params(), *self._buffers,
                                                                    *local_inputs)[0]
 
     def _step_program(self, st: ConfigState, local_inputs, shapes: tuple, *, train: bool) -> fx.GraphModule:
         """The program of one pp = 1 call on `local_inputs` (of a global batch of `shapes`), its
         reduction inside; refused where uneven rows meet an op that mixes them (`checked_rows`)."""
-        program = self._programs.get(st, tuple(tuple(x.shape) for x in local_inputs), train=train, reduce=True)
+        program = self._programs.get(st, tuple(tuple(x.shape) for x in local_inputs), train=train, reduce=True,
+                                     cp_length=st.cp_length(shapes, self._sequence_inputs))
         return self._inputs.checked_rows(st, program, self._inputs.uneven(st, shapes)).joint
 
-    def _attention(self, st: ConfigState):
+    def _attention(self, st: ConfigState, local_inputs):
         """Under cp, `document_attention` on a sequence shard fetches the keys and values other cp
-        ranks hold (`runtime.cp_attention`); elsewhere it runs on the local data as on one device."""
-        if st.config.cp == 1:
+        ranks hold (`runtime.cp_attention`); elsewhere it runs on the local data as on one device.
+        Where cp does not divide the length, the cp ranks' positions per row differ: it is told them."""
+        cp = st.config.cp
+        if cp == 1:
             return contextlib.nullcontext()
         from hotswitch.kernels.attention import local_implementation
         from hotswitch.runtime.cp_attention import ContextParallelAttention
 
-        return local_implementation(ContextParallelAttention(self.process_group(st.config.name, "cp")))
+        length = st.cp_length(self._inputs.global_shapes(st, local_inputs), self._sequence_inputs)
+        lengths = None if length is None else tuple(chunk_span(length, cp, r)[1] for r in range(cp))
+        return local_implementation(ContextParallelAttention(self.process_group(st.config.name, "cp"), lengths))
 
     def _on_device(self, local_inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Inputs moved to the device this rank computes on (a CPU batch on an NCCL job, say)."""
@@ -608,8 +614,11 @@ class CompiledModel:
         pp = st.config.pp
         micro = list(zip(*(x.tensor_split(k, dim=0) for x in local_inputs)))
         uneven = f"they hold {fewest} to {most} rows" if most != fewest else None
+        # (micro-batches share the batch's sequence: where cp cuts it unevenly, its global length)
+        cp_length = st.cp_length(self._inputs.global_shapes(st, local_inputs), self._sequence_inputs) \
+            if st.config.cp > 1 else None
         programs = [self._inputs.checked_rows(st, self._programs.get(st, tuple(tuple(x.shape) for x in mb), train=train,
-                                                         reduce=False), uneven) for mb in micro]
+                                                         reduce=False, cp_length=cp_length), uneven) for mb in micro]
         assert all(
             p.deferred_specs[i].placements == programs[0].deferred_specs[i].placements
             for p in programs

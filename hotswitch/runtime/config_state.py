@@ -96,9 +96,17 @@ class ConfigState:
         """This rank's part of a global batch of `shapes`: its data-parallel rows and, under context
         parallelism, its share of the sequence (of the inputs `sequence_inputs` marks)."""
         dp, index, cp = self.config.dp, self.coordinate("dp"), self.config.cp
-        return tuple((split_size(s[0], dp, index), s[1] // cp, *s[2:]) if cp > 1 and along_seq
-                     else (split_size(s[0], dp, index), *s[1:])
+        return tuple((split_size(s[0], dp, index), chunk_span(s[1], cp, self.coordinate("cp"))[1], *s[2:])
+                     if cp > 1 and along_seq else (split_size(s[0], dp, index), *s[1:])
                      for s, along_seq in zip(shapes, sequence_inputs))
+
+    def cp_length(self, shapes: tuple, sequence_inputs: tuple[bool, ...]) -> int | None:
+        """The global sequence length of a batch of `shapes` when context parallelism cuts it unevenly
+        (cp ranks then hold different lengths, so a program is lowered for the global one); None
+        when cp divides it (a program is then lowered for its local length times cp)."""
+        cp = self.config.cp
+        lengths = {s[1] for s, along_seq in zip(shapes, sequence_inputs) if along_seq}
+        return next((n for n in lengths if n % cp), None) if cp > 1 else None
 
 
 def make_config_state(config: DistConfig, roles: TPRoles, param_shapes: dict[str, torch.Size], *, rank: int,
@@ -177,3 +185,12 @@ def layouts_on(config: DistConfig, devices, roles: TPRoles, param_shapes: dict[s
 def split_size(n: int, parts: int, index: int) -> int:
     """Rows of part `index` when n rows are split by torch.tensor_split into `parts`."""
     return n // parts + (1 if index < n % parts else 0)
+
+
+def chunk_span(n: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, size) of part `index` when n positions are cut into `parts` chunks of ceil(n / parts):
+    torch.chunk's sizes, DTensor's Shard (the last parts may be smaller, or empty). The sequence's
+    cut over cp ranks."""
+    step = -(-n // parts)
+    start = min(index * step, n)
+    return start, min(step, n - start)

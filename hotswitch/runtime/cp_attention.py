@@ -145,10 +145,13 @@ class ContextParallelAttention:
     all-gather of two small int tensors) and every later call with the same input tensors (the
     other layers, the backward) reuses the plan; a pipeline's next micro-batch brings new tensors,
     at the same call on every rank, so the ranks gather together. The backward fetches the keys and
-    values again (nothing is kept between the two ops) and returns their gradients to the owners."""
+    values again (nothing is kept between the two ops) and returns their gradients to the owners.
+    `lengths`: each cp rank's positions per row where they differ (a length cp does not divide, cut
+    as torch.chunk cuts it); None: all alike."""
 
-    def __init__(self, group):
+    def __init__(self, group, lengths: tuple[int, ...] | None = None):
         self.group = group
+        self.lengths = lengths
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self._last: tuple[torch.Tensor, torch.Tensor, CPAttentionPlan] | None = None
@@ -158,10 +161,15 @@ class ContextParallelAttention:
         if self._last is not None and self._last[0] is documents and self._last[1] is positions:
             return self._last[2]
         local = torch.stack([documents.reshape(-1), positions.reshape(-1)]).to(torch.long)
+        rows = documents.shape[0]
+        widest = rows * max(self.lengths) if self.lengths else local.shape[1]
+        if local.shape[1] < widest:  # every rank's tokens padded to the most any holds, for one all-gather
+            local = torch.nn.functional.pad(local, (0, widest - local.shape[1]), value=-1)
         gathered = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(gathered, local.contiguous(), group=self.group)
         self.gathers += 1
-        plan = _plan_from_gathered(torch.stack(gathered).cpu().numpy().tobytes(), self.size, self.rank)
+        counts = tuple(rows * n for n in self.lengths) if self.lengths else None
+        plan = _plan_from_gathered(torch.stack(gathered).cpu().numpy().tobytes(), self.size, self.rank, counts)
         self._last = (documents, positions, plan)  # the tensors are held, so their identity is not reused
         return plan
 
@@ -179,10 +187,17 @@ class ContextParallelAttention:
         dq, dkv = grouped_attention_backward(tokens_first(q), kv, plan.groups.to(q.device), tokens_first(grad))
         n = kv_local.shape[0]
         dkv_local = plan.return_grads(dkv[n:], dkv[:n], self.group) if plan.exchanges else dkv
-        return from_tokens_first(dq, b), from_tokens_first(dkv_local[:, 0], b), from_tokens_first(dkv_local[:, 1], b)
+        grads = from_tokens_first(dq, b), from_tokens_first(dkv_local[:, 0], b), from_tokens_first(dkv_local[:, 1], b)
+        # a rank holding no positions (a length cp does not divide) has empty views of one tensor, which
+        # an op may not return together
+        return tuple(g.clone() if g.numel() == 0 else g for g in grads)
 
 
 @functools.lru_cache(maxsize=4)
-def _plan_from_gathered(key: bytes, size: int, rank: int) -> CPAttentionPlan:
+def _plan_from_gathered(key: bytes, size: int, rank: int, counts: tuple[int, ...] | None = None) -> CPAttentionPlan:
+    """The plan from every rank's (ids, positions), padded to one width; `counts`: how many tokens
+    of each are real (None: all)."""
     rows = torch.frombuffer(bytearray(key), dtype=torch.long).view(size, 2, -1)
-    return CPAttentionPlan.from_tokens([r[0].tolist() for r in rows], [r[1].tolist() for r in rows], rank)
+    counts = counts or (rows.shape[2],) * size
+    return CPAttentionPlan.from_tokens([r[0, :n].tolist() for r, n in zip(rows, counts)],
+                                       [r[1, :n].tolist() for r, n in zip(rows, counts)], rank)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from hotswitch.compiler.program import StageProgram
 from hotswitch.compiler.signature import ModelCall
 from hotswitch.distributed.device import comm_tensor
-from hotswitch.runtime.config_state import ConfigState
+from hotswitch.runtime.config_state import ConfigState, chunk_span
 
 
 class InputSharding:
@@ -72,7 +72,8 @@ class InputSharding:
             if cp > 1 and along_seq.get(id(x), False):
                 if tokens is not None:
                     return local.flatten(0, 1)[tokens].view(local.shape[0], -1, *local.shape[2:])
-                return local.chunk(cp, dim=1)[cp_index].contiguous()  # contiguous: the program views its inputs
+                # torch.chunk's sizes, as the programs' Shard of the sequence (uneven lengths too)
+                return local.narrow(1, *chunk_span(local.shape[1], cp, cp_index)).contiguous()  # the program views it
             return local
 
         local = tuple(split(x) for x in global_inputs)
@@ -88,7 +89,8 @@ class InputSharding:
         if key not in self._global_shapes:
             # Inputs sharded by the caller: learn the global batch once per shape (a tiny all-gather),
             # and whether the data-parallel peers were all given the same rows.
-            mine = comm_tensor([float(local_inputs[0].shape[0]), digest(local_inputs)], torch.float64)
+            length = next((x.shape[1] for x, along_seq in zip(local_inputs, self._sequence_inputs) if along_seq), 0)
+            mine = comm_tensor([float(local_inputs[0].shape[0]), digest(local_inputs), float(length)], torch.float64)
             gathered = [torch.zeros_like(mine) for _ in range(self.world_size)]
             dist.all_gather(gathered, mine)
             groups = st.groups("dp")
@@ -98,9 +100,10 @@ class InputSharding:
             alike = [g[0] for g in groups if len(g) > 1 and all(bool((gathered[r] == gathered[g[0]]).all()) for r in g)]
             if alike and min(alike) == self.rank:
                 self._warn_unsharded(st, int(mine[0]))
-            cp = st.config.cp
+            cp_peers = next(g for g in st.groups("cp") if self.rank in g)  # their lengths sum to the row's
+            length = sum(int(gathered[r][2]) for r in cp_peers)
             self._global_shapes[key] = tuple(
-                (batch, x.shape[1] * cp, *x.shape[2:]) if cp > 1 and along_seq else (batch, *x.shape[1:])
+                (batch, length, *x.shape[2:]) if st.config.cp > 1 and along_seq else (batch, *x.shape[1:])
                 for x, along_seq in zip(local_inputs, self._sequence_inputs))
         return self._global_shapes[key]
 
@@ -122,13 +125,15 @@ class InputSharding:
 
     def check_split(self, st: ConfigState, shapes: tuple) -> None:
         """An uneven data-parallel split is exact only for a loss written as sum / count; context
-        parallelism splits the sequence evenly."""
+        parallelism cuts the sequence into torch.chunk's pieces, or, in a layout that places tokens,
+        into equal shares."""
         cp = st.config.cp
         for shape, along_seq in zip(shapes, self._sequence_inputs if cp > 1 else ()):
-            if along_seq and shape[1] % cp:
+            if along_seq and shape[1] % cp and self.cp_layout != "contiguous":
                 raise ValueError(
-                    f"{st.config.name!r} splits the sequence over cp={cp} ranks, but the inputs have {shape[1]} "
-                    f"positions: use a sequence length divisible by {cp} (pad the rows), or a config without cp"
+                    f"cp_layout={self.cp_layout!r} gives each of the cp={cp} ranks of {st.config.name!r} an equal "
+                    f"share of every row, but the inputs have {shape[1]} positions: use a sequence length "
+                    f"divisible by {cp} (pad the rows), or cp_layout='contiguous', which cuts any length"
                 )
         batch, dp = shapes[0][0], st.config.dp
         if batch < dp:

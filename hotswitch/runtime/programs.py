@@ -54,11 +54,14 @@ class Programs:
         self._propagation_memo: dict[str, dict] = {}
 
     @collector_paused()  # a lowering, or loading one from the cache (see compiler.garbage)
-    def get(self, st: ConfigState, local_shapes: tuple, *, train: bool, reduce: bool) -> StageProgram:
+    def get(self, st: ConfigState, local_shapes: tuple, *, train: bool, reduce: bool,
+            cp_length: int | None = None) -> StageProgram:
         """This rank's lowered programs for local (micro-)batches of `local_shapes`, lowered on first
         use and cached: the whole model with the DP reduction inside (`reduce`, pp = 1) or this rank's
-        stage with the reduction deferred (micro-batches, pp > 1). See hotswitch.compiler.program."""
-        key = (tuple(tuple(s) for s in local_shapes), train, reduce)
+        stage with the reduction deferred (micro-batches, pp > 1). See hotswitch.compiler.program.
+        `cp_length`: the global sequence length where cp cuts it unevenly (`ConfigState.cp_length`):
+        part of the key, as the local lengths no longer say it; such lengths are lowered, not fitted."""
+        key = (tuple(tuple(s) for s in local_shapes), train, reduce, *([cp_length] if cp_length else []))
         if key not in st.programs:
             what = f"{st.config.name} for local {'micro-batches' if not reduce else 'inputs'} {list(key[0][0])}" + (
                 "" if train else " (forward only)") + (f", stage {st.stage}" if st.full_mesh is not None else "")
@@ -88,19 +91,21 @@ class Programs:
     def lower(self, st: ConfigState, key: tuple, sample: bool = False) -> StageProgram:
         """Lower (or load) the program of `key` (see `_program`); `sample`: one only read as a graph,
         for a length fit (`compiler.program.lower_program`)."""
-        (local_shapes, train, reduce), graph = key, (key[1], st.stage)
+        (local_shapes, train, reduce, *cp_length), graph = key, (key[1], st.stage)
         stage = self._split(st.config.pp).stages[st.stage] if st.full_mesh is not None else None
         program = lower_program(self.logic, stage, st.where, self._buffers(), local_shapes,
                                 self._input_dtypes, train=train, reduce=reduce,
                                 strict=self.strict, memo=self._propagation_memo.setdefault(st.config.name, {}),
                                 decided=st.decisions.get(graph), cache=self._cache, sample=sample,
-                                bucket_bytes=self.grad_bucket_bytes)
+                                bucket_bytes=self.grad_bucket_bytes, cp_length=cp_length[0] if cp_length else None)
         st.decisions.setdefault(graph, program.decisions)
         return program
 
     def _by_length(self, key: tuple) -> tuple[tuple, int] | None:
         """(the program key with the sequence length left out, the length), or None when the inputs
-        do not share one length."""
+        do not share one length, or cp cuts it unevenly (a key that names the global length)."""
+        if len(key) != 3:
+            return None
         shapes, train, reduce = key
         lengths = {s[1] for s, along_seq in zip(shapes, self._sequence_inputs) if along_seq}
         if len(lengths) != 1:
