@@ -29,6 +29,7 @@ from hotswitch.runtime import weights as W
 from hotswitch.runtime.backend import GraphRunner
 from hotswitch.runtime.config_state import ConfigState, chunk_span, layouts_on, make_config_state, parameter_layouts
 from hotswitch.runtime.inputs import InputSharding, checked_cp_layout
+from hotswitch.runtime.meta_init import INIT, hf_model_of
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step
 from hotswitch.runtime.programs import Programs
 from hotswitch.runtime.shared import JobOnce, SharedCache, trace_once
@@ -101,9 +102,9 @@ class CompiledModel:
         )
         # buffers are replicated: whole on every rank (a meta model's computed by their modules' init)
         self._buffers = W.computed_buffers(model, self.logic.buffer_names, self.device,
-                                           init=weights if source == "init_fn" else W.INIT)
+                                           init=weights if source == "init_fn" else INIT)
         self._state_keys = list(model.state_dict().keys())
-        hf = W.hf_model_of(model)  # save_pretrained writes its names, and its config
+        hf = hf_model_of(model)  # save_pretrained writes its names, and its config
         self._hf_prefix, self._hf_config = (hf[0], getattr(hf[1], "config", None)) if hf else ("", None)
         self.last_load: W.LoadReport | None = None  # how this rank's weights were last read (`load_weights`)
         self._splits: dict[int, StageSplit] = {}  # pp -> the LogicGraph cut into pp stages
@@ -126,7 +127,7 @@ class CompiledModel:
         self._param_states: dict[str, dict[str, torch.Tensor]] = {}
         self._active = configs[0].name
         # each rank keeps (reads, initializes) only its pieces of the first config: see runtime.weights
-        if source in (W.INIT, "init_fn"):
+        if source in (INIT, "init_fn"):
             torch.set_rng_state(rng)
         if source != "model":
             report(f"loading the weights ({source})")

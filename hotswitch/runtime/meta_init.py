@@ -27,8 +27,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from hotswitch.runtime.weights import INIT, hf_model_of
+INIT = "init"  # weights= of the model's own initialization (`hotswitch.runtime.weights`)
 
+
+
+def hf_model_of(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(prefix of its names, module) of the outermost Hugging Face PreTrainedModel in `model`, or None."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    for path, module in model.named_modules():
+        if isinstance(module, PreTrainedModel):
+            return (path + "." if path else ""), module
+    return None
 
 @dataclass(frozen=True)
 class _Unit:

@@ -34,7 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-INIT, EMPTY = "init", "empty"
+from hotswitch.runtime.meta_init import INIT, initialized
+
+EMPTY = "empty"
 HF_INDEX, HF_SINGLE = "model.safetensors.index.json", "model.safetensors"
 DCP_METADATA = ".metadata"
 _PREFIX_DEPTH = 3  # wrappers peeled off when matching names: at most this many dotted components
@@ -97,18 +99,6 @@ def first_meta(model: nn.Module) -> str | None:
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         if t.device.type == "meta":
             return name
-    return None
-
-
-def hf_model_of(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(prefix of its names, module) of the outermost Hugging Face PreTrainedModel in `model`, or None."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return None
-    for path, module in model.named_modules():
-        if isinstance(module, PreTrainedModel):
-            return (path + "." if path else ""), module
     return None
 
 
@@ -292,7 +282,6 @@ def load(cm, weights, model: nn.Module | None, dtype: torch.dtype | None = None
         params = dict(model.named_parameters(remove_duplicate=False))
         pieces = {n: params[n].detach()[boxes[n]].to(device=cm.device, dtype=dtypes[n], copy=True) for n in held}
     elif kind in (INIT, "init_fn"):
-        from hotswitch.runtime.meta_init import initialized
 
         check_same_rng()
         state = {n: tuple(t.shape) for n, t in (*model.named_parameters(remove_duplicate=False),
@@ -357,7 +346,6 @@ def computed_buffers(model: nn.Module, names: list[str], device: torch.device, i
     computed by their modules' initialization (`init`: "init" or an init function); those it does not
     write stay on meta, for a checkpoint to fill (`check_buffers`). torch's random generator is left
     as it was."""
-    from hotswitch.runtime.meta_init import initialized
 
     state = dict(model.named_buffers(remove_duplicate=False))
     meta = {id(state[n]) for n in names if state[n].device.type == "meta"}
