@@ -263,7 +263,9 @@ def _sdpa_backend(q, k, mask, whole: bool, scale: float, train: bool, device: to
         mask_example = None
         if not whole:
             stored = [size if stride else 1 for size, stride in zip(mask.shape, mask.stride())]  # broadcast dims: 1
-            mask_example = torch.zeros(stored, dtype=q.dtype, device=device).expand(mask.shape)
+            # (the choice reads the mask's shape, strides and dtype, never its values: an untouched
+            # allocation, where zeros wrote T x T values: 2 GiB of bf16 at 32K tokens, resident)
+            mask_example = torch.empty(stored, dtype=q.dtype, device=device).expand(mask.shape)
         choices[key] = _torch.sdpa_backend(example(q.shape, q.stride(), q.dtype), k_example, k_example, mask_example,
                                            whole, scale)
     return choices[key]

@@ -71,8 +71,8 @@ MODEL_SHAPES = {
 }
 DEFAULT_CONFIGS = {
     "llama2-7b": ("dp8", "fsdp8", "fsdp8-full", "tp8", "tp8sp", "tp8sp-full", "fsdp2tp4sp-sel", "tp4pp2",
-                  "dp2tp2cp2"),
-    "llama3-70b": ("fsdp64", "fsdp64-full", "dp8tp8", "fsdp8tp8", "fsdp8tp8sp-full", "tp8pp8", "fsdp4tp8cp2-full"),
+                  "fsdp2cp4-sel"),
+    "llama3-70b": ("fsdp64", "fsdp64-full", "dp8tp8", "fsdp8tp8", "fsdp8tp8sp-full", "tp8pp8", "fsdp8cp8-full"),
 }
 MEASURED_CONFIGS = ("dp8", "fsdp8", "dp8-sel", "dp8-full", "fsdp8-full", "tp8sp", "tp8sp-full")
 
