@@ -44,6 +44,7 @@ from .sharding import (
     _is_fresh,
     _is_tensor_node,
     _view_source,
+    singletons,
     unshardable,
 )
 from .tp_rules import SIZED_VIEW_OPS, VIEW_OPS
@@ -111,8 +112,9 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
         if node.op == "output":
             break
         placements = decided.ops.get(node.name) if decided is not None else None
+        ones = decided.ones.get(node.name) if decided is not None else None
         d = None if placements is None else alike.decision(
-            node, ("replay", placements), lambda: _replay(node, placements, mesh, specs, values))
+            node, ("replay", placements, ones), lambda: _replay(node, placements, mesh, specs, values, ones))
         if d is not None:
             replayed += 1
         else:
@@ -234,9 +236,10 @@ def _as_before(d: Decision, specs: dict) -> Decision | None:
             return None
     return replace(d, reduce_to=None)
 
-def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
+def _replay(node: fx.Node, placements, mesh, specs, values, ones: tuple | None = None) -> Decision | None:
     """The decision for `node` from its placements at another shape (see ShardingDecisions), or
-    None when there is nothing to replay or the inputs arrive in other placements than then."""
+    None when there is nothing to replay, the inputs arrive in other placements than then, or
+    other dims are of size 1 than then (`ones`, `sharding.singletons`)."""
     if placements is None:
         return None
     tensor_nodes = [a for a in arg_leaves((node.args, node.kwargs)) if _is_tensor_node(a)]
@@ -266,6 +269,8 @@ def _replay(node: fx.Node, placements, mesh, specs, values) -> Decision | None:
                          for p, m in zip(out, metas))
     else:
         out_spec = dt.make_spec(mesh, out, metas)
+    if ones is not None and singletons([specs[n] for n in tensor_nodes], out_spec) != ones:
+        return None
     # an input wanted as it arrives keeps its spec (building one costs more than the rest of a replay)
     want_specs = [specs[n] if _as_it_arrives(w, specs[n]) else dt.DTensorSpec(mesh, w, specs[n].tensor_meta)
                   for n, w in zip(tensor_nodes, want)]

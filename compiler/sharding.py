@@ -103,8 +103,20 @@ class GraphSharding:
         """What was decided, without shapes: per searched op, the placements it wants its tensor
         inputs in and the placements it produces."""
         ops = {node.name: _encoded(d) for node, d in self.decisions.items() if d.kind == "op" and d.replayable}
-        return ShardingDecisions({k: v for k, v in ops.items() if v is not None},
-                                 frozenset(n.name for n in self.keep_partial))
+        ops = {k: v for k, v in ops.items() if v is not None}
+        return ShardingDecisions(ops, frozenset(n.name for n in self.keep_partial),
+                                 ones={node.name: singletons(d.in_specs, d.out_spec)
+                                       for node, d in self.decisions.items() if node.name in ops})
+
+
+def singletons(in_specs, out_spec) -> tuple:
+    """The dims of size 1 of each input spec and of the output spec(s): what a decision's replay at
+    another shape must find the same (`ShardingDecisions.ones`)."""
+    def ones(spec):
+        return None if spec is None else tuple(i for i, size in enumerate(spec.shape) if size == 1)
+
+    outs = tuple(ones(o) for o in out_spec) if isinstance(out_spec, (tuple, list)) else ones(out_spec)
+    return tuple(ones(s) for s in in_specs), outs
 
 def _encoded(d: Decision) -> tuple | None:
     """A replayable decision's placements as plain values (`ShardingDecisions.ops`), or None when
@@ -280,6 +292,10 @@ class ShardingDecisions:
     ops: dict[str, tuple]
     keep_partial: frozenset[str]
     dp_shared: bool | None = None
+    # node name -> the dims of size 1 of its tensor inputs and output(s) where it was decided: DTensor
+    # treats a size-1 dim apart (flattening [1, s] sharded on s is Shard, [4, s] a _StridedShard), so
+    # a decision is replayed only where the same dims are 1 (`singletons`)
+    ones: dict[str, tuple] = field(default_factory=dict)
 
 def _is_fresh(node: fx.Node) -> bool:
     node = _view_source(node)

@@ -525,7 +525,25 @@ def check_dynamic_pipeline_stages():
     return out
 
 
-results = dist_fixture(2, [check_second_pass_reuses_unchanged_decisions, check_lowering_equals_make_fx,
+def check_decisions_made_on_one_row_replay_on_several():
+    """tp2sp decided at 1 row x 24 (flattening [1, s] sharded on s is a Shard), then lowered at 4
+    rows x 16 (a _StridedShard there): the replay must see the size-1 dim changed and decide those
+    ops again (replayed as they were, the gradients came out wrong)."""
+    model = make_model("llama")
+    cm = hs.compile(model, batch(batch=2, seq=16), configs=["tp2sp"], lazy=True)
+    errors = []
+    for rows, seq in ((1, 24), (4, 16)):
+        ids, labels = batch(batch=rows, seq=seq, seed=rows)
+        loss_ref, grads_ref = reference(model, ids, labels)
+        cm.zero_grad()
+        loss = cm.forward_backward(*cm.shard_inputs(ids, labels))
+        grads = cm.full_grads()
+        errors.append((rel_err(loss, loss_ref), max(rel_err(grads[n], grads_ref[n]) for n in grads_ref)))
+    return errors
+
+
+results = dist_fixture(2, [check_decisions_made_on_one_row_replay_on_several,
+                           check_second_pass_reuses_unchanged_decisions, check_lowering_equals_make_fx,
                            check_alike_ops_are_decided_once,
                            check_gpt_equivalence, check_llama_equivalence, check_gpt2_equivalence,
                            check_learned_positions_with_a_tied_embedding,
@@ -754,3 +772,8 @@ def test_the_second_pass_reuses_unchanged_decisions(results):
         assert len(searches) >= 1, (model, "searches:", len(searches))
         assert [difference for difference, _ in searches] == [None] * len(searches), (model, searches)
         assert all(reused > 100 for _, reused in searches), (model, searches)  # most ops, not none
+
+
+def test_decisions_made_on_one_row_replay_on_several(results):
+    for errors in results["check_decisions_made_on_one_row_replay_on_several"].raise_if_failed():
+        assert all(loss <= 1e-5 and grads <= 1e-5 for loss, grads in errors), errors

@@ -184,14 +184,20 @@ def run(options: MemoryBenchOptions, log=print) -> dict:
                 raise ValueError(f"{name} runs on {config.world_size} devices, but {model} is benchmarked as one rank "
                                  f"of {shape.world_size}: give configs of {shape.world_size} devices")
         plan[model] = configs
-    rows = []
+    rows, failed = [], []
     for model, configs in plan.items():
         shape = MODEL_SHAPES[model]
         log(f"{model}: {shape.params / 1e9:.1f}B parameters ({4 * shape.params / GIB:.0f} GiB in fp32), one rank "
             f"of {shape.world_size}")
         for length in options.lengths:
             for config in configs:
-                r = measure_rank(shape, config, length)
+                try:
+                    r = measure_rank(shape, config, length)
+                except RuntimeError as e:  # said in the table and the JSON: the other configs go on
+                    reason = _reason(str(e))
+                    failed.append({"model": model, "config": config, "length": length, "error": reason})
+                    log(f"  {config:<18} {length:>6} tokens: did not compile: {reason}")
+                    continue
                 rows.append(r)
                 log(_row(r, options.budget_bytes))
     measured = []
@@ -203,13 +209,19 @@ def run(options: MemoryBenchOptions, log=print) -> dict:
             r = measure_rank(small, config, options.measure_length, run_step=True)
             measured.append(r)
             log(_row(r, options.budget_bytes))
-    out = {"budget_bytes": options.budget_bytes, "ranks": [r.to_dict() for r in rows],
+    out = {"budget_bytes": options.budget_bytes, "ranks": [r.to_dict() for r in rows], "failed": failed,
            "measured": [r.to_dict() for r in measured], "ratios": _ratios(measured)}
     log(table(out))
     write_json(options.json_path, out)
     if options.png_path:
         plot(out, options.png_path)
     return out
+
+
+def _reason(error: str) -> str:
+    """The last line of a compile's traceback, shortened: why a config did not compile."""
+    last = [line for line in error.strip().splitlines() if line.strip()][-1]
+    return last if len(last) <= 300 else last[:297] + "..."
 
 
 def _row(r: RankMemory, budget: int) -> str:
@@ -254,6 +266,8 @@ def table(out: dict) -> str:
                      f"{r['rss_fraction']:>9.1%}{_gib(r['param_bytes']):>10}{_gib(r['grad_bytes']):>10}"
                      f"{_gib(r['optimizer_bytes']):>10}{_gib(r['activation_bytes']):>10}{_gib(r['total_bytes']):>10}"
                      f"  {'yes' if r['total_bytes'] <= budget else 'no'}")
+    for f in out.get("failed", ()):
+        lines.append(f"{f['model']:<12}{f['config']:<19}{f['length']:>7}  did not compile: {f['error'][:160]}")
     if out["ratios"]:
         lines.append("measured steps (MemTracker) against the estimate and against the plain config:")
         for r in out["ratios"]:
