@@ -211,11 +211,32 @@ def check_errors_name_the_fix():
     return out
 
 
+def check_readme_big_model_lines():
+    """The README's big-model lines as they stand (`_readme_python_blocks()[1]`), on the checkpoint
+    `check_hf_checkpoint_trains_and_saves` wrote: built on meta, compiled reading each rank's
+    shards, saved back; from_pretrained reads the same weights."""
+    import transformers
+
+    from tests.test_examples import _readme_python_blocks
+
+    block = _readme_python_blocks()[1]
+    out = os.path.join(ROOT, "readme-out")
+    code = block.replace('"path/to/hf_dir"', repr(HF_DIR))
+    code = code.replace('save_pretrained("out")', f"save_pretrained({out!r})")
+    assert code != block and repr(out) in code, "the README's lines no longer read a directory and save one"
+    exec(code, {"torch": torch, "transformers": transformers, "hs": hs, "batch": _batch(),
+                "config": transformers.LlamaConfig.from_pretrained(HF_DIR)})
+    dist.barrier()
+    if dist.get_rank() != 0:
+        return None
+    saved = transformers.LlamaForCausalLM.from_pretrained(out).state_dict()
+    original = transformers.LlamaForCausalLM.from_pretrained(HF_DIR).state_dict()
+    return set(saved) ^ set(original), all(torch.equal(saved[k], original[k]) for k in original)
+
+
 CHECKS = [check_hf_checkpoint_trains_and_saves, check_meta_init_equals_one_device_and_dcp_reshards,
-          check_errors_name_the_fix]
-# A compile cache of its own: the trainer tests compile this Llama under tp4sp at other sequence
-# lengths, and sharding decisions cached there replayed here gave other numbers (a loss 3e-3 off)
-ENV = {"HS_BIG_MODELS_TEST_ROOT": ROOT, "HOTSWITCH_CACHE_DIR": os.path.join(ROOT, "cache")}
+          check_errors_name_the_fix, check_readme_big_model_lines]
+ENV = {"HS_BIG_MODELS_TEST_ROOT": ROOT}
 results = dist_fixture(4, CHECKS, env=ENV, timeout=600)
 
 
@@ -255,3 +276,8 @@ def test_errors_name_the_problem_and_the_fix(results):
         assert "other shapes" in v["shape"] and f"({VOCAB + 1}, 64)" in v["shape"]
         assert "no such directory" in v["not_a_checkpoint"]
         assert "torch.manual_seed" in v["seeds"]
+
+
+def test_the_readmes_big_model_lines_load_and_save(results):
+    keys, equal = results["check_readme_big_model_lines"].raise_if_failed()[0]
+    assert keys == set() and equal

@@ -4,7 +4,7 @@ scale-in with a change of tensor-parallel degree, and a redeployment.
 Three jobs run once for the module (the agent, `run_elastic`, runs in the pytest process):
 - "failure": 4 workers under tp4; worker w2 SIGKILLs itself in the middle of step 2. Its TP
   shards have no replica, so the state comes from the step-2 checkpoint (async DCP) and the job
-  goes on with 3 workers under dp3;
+  goes on with 3 workers under fsdp3-full;
 - "reference": the same job with a planned scale-in 4 -> 3 before step 2, no failure;
 - "scaling": 2 workers under tp2 -> 4 workers under tp4 (step 1) -> 2 workers under tp2
   (step 2) -> redeployed to 2 new workers (step 3); the full job state is gathered before and after
@@ -29,9 +29,11 @@ BATCH = 8
 
 
 def tp_on_four(n: int) -> list[DistConfig]:
-    """tp4 on 4 workers, pure DP on any other count (one config each: no profiling; no SP: its
-    lowering costs suite time, and SP changes nothing in the state that moves)."""
-    return [DistConfig("tp4", tp=4)] if n == 4 else [DistConfig(f"dp{n}", dp=n)]
+    """tp4 on 4 workers, fsdp with full recomputation on any other count (one config each: no
+    profiling; no SP: its lowering costs suite time, and SP changes nothing in the state that moves).
+    fsdp3's shards are uneven: the state moves into a layout the planner and the checkpoint split by
+    torch.chunk's sizes."""
+    return [DistConfig("tp4", tp=4)] if n == 4 else [DistConfig.parse(f"fsdp{n}-full")]
 
 
 def tp_everywhere(n: int) -> list[DistConfig]:
@@ -167,10 +169,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_sigkill_mid_step_goes_on_with_three_workers_from_checkpoint(runs):
     failure = runs["failure"]
     assert failure["steps"] == STEPS
-    assert failure["workers"] == ["w0", "w1", "w3"] and failure["configs"] == ["dp3"]
+    assert failure["workers"] == ["w0", "w1", "w3"] and failure["configs"] == ["fsdp3-full"]
     assert "[elastic] worker w2 died (exit code -9 = signal 9)" in failure["log"], failure["log"]  # the test's kill
     (change,) = failure["reconfigurations"]
-    assert change["reason"] == "failure" and change["source"] == "tp4 on 4" and change["destination"] == "dp3 on 3"
+    assert change["reason"] == "failure" and change["source"] == "tp4 on 4"
+    assert change["destination"] == "fsdp3-full on 3"
     # w2's TP shards had no replica: the whole state came from the step-2 checkpoint. The killed step
     # (index 2) was never committed, so nothing is replayed beyond it.
     assert change["lost_tensors"] > 0 and change["restored_from"] == "checkpoint step 2", failure["log"]
@@ -181,7 +184,7 @@ def test_failure_matches_a_planned_scale_in_at_the_same_step(runs):
     failure, reference = runs["failure"], runs["reference"]
     (change,) = reference["reconfigurations"]
     assert change["reason"] == "scale" and change["restored_from"] == "survivors" and change["bytes_moved"] > 0
-    assert reference["configs"] == ["dp3"]
+    assert reference["configs"] == ["fsdp3-full"]
     worst = max(_rel(failure["final"][k], reference["final"][k]) for k in reference["final"] if k.startswith("param:"))
     assert worst < 1e-4, worst
     worst_moments = max(_rel(failure["final"][k], reference["final"][k]) for k in reference["final"]

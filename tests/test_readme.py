@@ -26,8 +26,10 @@ RUN_BY = {
         "tests/test_examples.py", "test_switch_hf_model_under_torchrun_follows_one_device",
         ['"torch.distributed.run"', '"examples/switch_hf_model.py"']),
 }
-# The README's first Python block is checked to be the example's code (which that module runs).
-PYTHON_BLOCK_TEST = ("tests/test_examples.py", "test_readme_python_is_the_examples_code")
+# The README's Python blocks: the first is checked to be the example's code (which that module runs),
+# the second (models larger than one device) is run as it stands.
+PYTHON_BLOCK_TESTS = (("tests/test_examples.py", "test_readme_python_is_the_examples_code"),
+                      ("tests/test_big_models_world4.py", "check_readme_big_model_lines"))
 
 
 def _text(path: Path) -> str:
@@ -207,11 +209,11 @@ def test_first_screens_commands_are_run_by_the_suite_or_ci():
 def test_first_screens_python_is_checked_against_the_example():
     text = _text(README)
     python_blocks = [body for lang, body in _fenced_blocks(text) if lang == "python"]
-    assert len(python_blocks) == 1, ("the README's one Python block is checked against examples/switch_hf_model.py; "
-                                     "another needs a test that runs it")
-    assert python_blocks[0] in _first_screens()
-    source = _function_source(*PYTHON_BLOCK_TEST)
-    assert "_readme_python_blocks()[0]" in source
+    assert len(python_blocks) == len(PYTHON_BLOCK_TESTS), (
+        "each of the README's Python blocks is run or checked by a test (PYTHON_BLOCK_TESTS); another needs one")
+    for i, (block, test) in enumerate(zip(python_blocks, PYTHON_BLOCK_TESTS)):
+        assert block in _first_screens()
+        assert f"_readme_python_blocks()[{i}]" in _function_source(*test), test
     langs = {lang for lang, _ in _fenced_blocks(_first_screens())}
     assert langs <= {"", "python"}, f"first-screen code blocks of another kind: {langs}"
 

@@ -219,7 +219,8 @@ class Trainer:
         if micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
         self.micro_batch_tokens = micro_batch_tokens
-        self.zero1 = bool(zero1)
+        # (an fsdp base's optimizer state is sharded over its dp ranks already: ZeRO-1 has nothing to split)
+        self.zero1 = bool(zero1) and not next(c for c in self.configs if c.name == self.base).fsdp
         self.prefetch = prefetch
         self.profile_repeats = profile_repeats
         # every sequence shard whole; zigzag cuts every row into 2 x cp chunks
@@ -720,6 +721,8 @@ class Trainer:
         return chosen
 
     def _zero1_options(self, name: str) -> tuple[bool, ...]:
+        if self.config(name).fsdp:
+            return (False,)  # its optimizer state is fsdp's shards already: nothing for ZeRO-1 to split
         if self._zero1_given or self.config(name).dp == 1:
             return (self.zero1 and self.config(name).dp > 1,)
         return (False, True)  # ZeRO-1 only where the whole optimizer state would not fit: False first
