@@ -159,9 +159,8 @@ def _measure(shape: ModelShape, name: str, length: int, run_step: bool) -> dict:
     measured = None
     if run_step:
         local = cm.shard_inputs(ids, ids)
-        cm.forward_backward(*local)  # warm-up: lazy code, caches
-        cm.zero_grad()
-        _, measured = allocated_peak(lambda: cm.forward_backward(*local))
+        cm.forward_backward(*local)  # warm-up: lazy code, caches, and the gradient accumulators (kept:
+        _, measured = allocated_peak(lambda: cm.forward_backward(*local))  # state, not the step's)
     return dict(model=shape.name, config=name, world_size=shape.world_size, length=length,
                 trace=cm.logic_source, compile_seconds=compile_seconds, peak_rss_bytes=rss,
                 model_fp32_bytes=4 * shape.params, param_bytes=2 * stored, grad_bytes=4 * stored,
@@ -297,13 +296,19 @@ def plot(out: dict, path: str) -> None:
              ("activation_bytes", "activations (ExecGraph peak)", "tab:red")]
     for ax, (model, length) in zip(axes.flat, panels):
         rows = [r for r in out["ranks"] if (r["model"], r["length"]) == (model, length)]
+        failed = [f for f in out.get("failed", ()) if (f["model"], f["length"]) == (model, length)]
+        for f in failed:  # a slot of its own, said
+            ax.text(len(rows) + failed.index(f), out["budget_bytes"] / GIB * 0.1, "did not compile", rotation=90,
+                    ha="center", va="bottom", fontsize=7, color="0.3")
         bottom = [0.0] * len(rows)
         for key, label, color in kinds:
             values = [r[key] / GIB for r in rows]
             ax.bar(range(len(rows)), values, bottom=bottom, label=label, color=color)
             bottom = [b + v for b, v in zip(bottom, values)]
         ax.axhline(out["budget_bytes"] / GIB, color="black", linestyle="--", linewidth=1)
-        ax.set_xticks(range(len(rows)), [r["config"] for r in rows], rotation=35, ha="right", fontsize=8)
+        ax.set_xticks(range(len(rows) + len(failed)), [r["config"] for r in rows + failed], rotation=35, ha="right",
+                      fontsize=8)
+        ax.set_xlim(-0.6, len(rows) + len(failed) - 0.4)
         ax.set_ylabel("GiB per rank")
         ax.set_title(f"{model}, one rank of {rows[0]['world_size']}, {length} tokens per row", fontsize=9)
         top = 2.5 * out["budget_bytes"] / GIB  # a config far beyond the budget is cut, its total written
