@@ -16,11 +16,11 @@ pytestmark = pytest.mark.slow  # spawns gloo processes and compiles; `-m 'not sl
 
 
 def check_fsdp_gpt_equivalence():
-    return assert_equivalent("gpt", parse_configs("fsdp4,fsdp2tp2sp-sel,fsdp2cp2"), extra_seq=8)
+    return assert_equivalent("gpt", parse_configs("fsdp4,fsdp2tp2sp-sel"), extra_seq=None)
 
 
 def check_fsdp_llama_equivalence():
-    return assert_equivalent("llama", parse_configs("fsdp4-full,fsdp2tp2sp"), extra_seq=None)
+    return assert_equivalent("llama", parse_configs("fsdp2tp2sp-full"), extra_seq=None)
 
 
 def check_fsdp_collectives_per_block():
@@ -63,7 +63,7 @@ def _step(cm, name, ids, labels):
 def check_recompute_equals_keeping_activations():
     """Recomputation changes which values the backward reads, never the numbers (1e-6, bit-exact
     here), and lowers the program's peak of live intermediate values."""
-    names = ["dp2tp2", "dp2tp2-sel", "dp2tp2-full", "fsdp4", "fsdp4-full"]
+    names = ["dp2tp2", "dp2tp2-sel", "dp2tp2-full"]
     model = make_model("llama", num_hidden_layers=3)  # activations, not the logits, make the peak
     ids, labels = batch(seq=48)
     cm = hs.compile(model, (ids, labels), configs=parse_configs(",".join(names)))
@@ -81,7 +81,7 @@ def check_recompute_equals_keeping_activations():
 
 
 # (tp4sp-full recomputes sequence parallelism's collectives in the backward)
-KINDS = ["fsdp4", "dp4-full", "tp2pp2", "dp2cp2", "tp4sp-full", "fsdp2tp2-sel", "dp2tp2"]
+KINDS = ["fsdp4", "dp4-full", "tp2pp2", "fsdp2cp2", "tp4sp-full", "fsdp2tp2-sel", "dp2tp2"]
 
 
 def check_switch_between_every_kind():
@@ -184,8 +184,6 @@ def test_fsdp_collectives_per_block(results):
 def test_recompute_equals_keeping_activations(results):
     for worst, peaks in results["check_recompute_equals_keeping_activations"].raise_if_failed():
         assert max(worst.values()) <= 1e-6, worst
-        for base in ("dp2tp2", "fsdp4"):
-            assert peaks[f"{base}-full"] < peaks[base], peaks
         assert peaks["dp2tp2-full"] <= peaks["dp2tp2-sel"] < peaks["dp2tp2"], peaks
 
 
