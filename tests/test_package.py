@@ -93,32 +93,44 @@ def _run_outside(code: str) -> subprocess.CompletedProcess:
                           timeout=scaled(300))
 
 
-def test_one_top_level_name_when_installed():
+def test_one_top_level_name_and_every_module_imports_from_the_installed_package():
+    """Outside the checkout, `kernels`, `compiler` and `distconfig` are not ours (they are
+    hotswitch.kernels etc.), the public names resolve, every module imports without reaching for the
+    old top-level names, and importing them all leaves DTensor's propagation as it was: hotswitch's
+    policy is active inside its context manager only, restored after an error too (one interpreter:
+    importing torch once per check costs suite time)."""
+    names = sorted(m for m in _modules() if not m.endswith("__main__"))
     proc = _run_outside(
-        "import importlib, importlib.util\n"
+        "import importlib, importlib.util, sys\n"
+        "from torch.distributed.tensor import _sharding_prop as sp\n"
+        "from torch.distributed.tensor._ops import utils\n"
+        "before = (sp._select_min_cost_strategy, utils.redistribute_cost)\n"
         "for name in ('kernels', 'compiler', 'distconfig'):\n"
         "    spec = importlib.util.find_spec(name)\n"
         "    assert spec is None or 'hotswitch' not in str(spec.origin), (name, spec)\n"
-        "import hotswitch.kernels, hotswitch.compiler, hotswitch.distconfig\n"
         "import hotswitch as hs\n"
         "print(hs.compile.__module__, hs.Trainer.__name__, hs.models.__name__, hs.launch.__name__,"
-        " hs.elastic.__name__, hs.DistConfig.__name__)\n")
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["hotswitch.runtime.compiled_model", "Trainer", "hotswitch.models", "launch",
-                                   "hotswitch.elastic", "DistConfig"]
-
-
-def test_every_module_imports_from_the_installed_package():
-    """No module reaches for the old top-level names: each imports on its own, outside the checkout."""
-    names = sorted(m for m in _modules() if not m.endswith("__main__"))
-    proc = _run_outside(
-        "import importlib, sys\n"
+        " hs.elastic.__name__, hs.DistConfig.__name__)\n"
         f"for name in {names!r}:\n"
         "    importlib.import_module(name)\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('compiler', 'distconfig', 'kernels'))\n"
         "assert not bad, bad\n"
-    )
+        "assert (sp._select_min_cost_strategy, utils.redistribute_cost) == before, 'changed by import'\n"
+        "from hotswitch.compiler import _dtensor as dt\n"
+        "assert dt.torch_functions() == before\n"
+        "with dt.propagation() as memo:\n"
+        "    inside = dt.torch_functions()\n"
+        "assert inside[0] is not before[0] and inside[1] is not before[1], 'policy inactive inside'\n"
+        "assert (sp._select_min_cost_strategy, utils.redistribute_cost) == before, 'not restored'\n"
+        "try:\n"
+        "    with dt.propagation():\n"
+        "        raise KeyError('boom')\n"
+        "except KeyError:\n"
+        "    pass\n"
+        "assert (sp._select_min_cost_strategy, utils.redistribute_cost) == before, 'not restored after an error'\n")
     assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["hotswitch.runtime.compiled_model", "Trainer", "hotswitch.models", "launch",
+                                   "hotswitch.elastic", "DistConfig"]
 
 
 def test_kernels_in_the_repository_root_is_the_installed_package_of_that_name():
@@ -140,28 +152,6 @@ def test_kernels_in_the_repository_root_is_the_installed_package_of_that_name():
     found, ours = proc.stdout.split("\n")[:2]
     assert ours == "hotswitch.kernels.pack"
     assert found == "none kernels" or (found.endswith("__init__.py") and str(ROOT) not in found), found
-
-
-def test_importing_hotswitch_leaves_dtensor_as_it_was():
-    proc = _run_outside(
-        "from torch.distributed.tensor import _sharding_prop as sp\n"
-        "from torch.distributed.tensor._ops import utils\n"
-        "before = (sp._select_min_cost_strategy, utils.redistribute_cost)\n"
-        "import hotswitch, hotswitch.compiler.lower, hotswitch.runtime.compiled_model\n"
-        "from hotswitch.compiler import _dtensor as dt\n"
-        "assert (sp._select_min_cost_strategy, utils.redistribute_cost) == before, 'changed by import'\n"
-        "assert dt.torch_functions() == before\n"
-        "with dt.propagation() as memo:\n"
-        "    inside = dt.torch_functions()\n"
-        "assert inside[0] is not before[0] and inside[1] is not before[1], 'policy inactive inside'\n"
-        "assert (sp._select_min_cost_strategy, utils.redistribute_cost) == before, 'not restored'\n"
-        "try:\n"
-        "    with dt.propagation():\n"
-        "        raise KeyError('boom')\n"
-        "except KeyError:\n"
-        "    pass\n"
-        "assert (sp._select_min_cost_strategy, utils.redistribute_cost) == before, 'not restored after an error'\n")
-    assert proc.returncode == 0, proc.stderr
 
 
 def test_configs_parse_one_grammar():
