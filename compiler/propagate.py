@@ -15,7 +15,7 @@ import copy
 import math
 import operator
 import warnings
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ from .sharding import (
     Decision,
     GraphSharding,
     ShardingDecisions,
+    ShardingError,
     _absolute_strided,
     _encoded,
     _has_partial,
@@ -48,6 +49,7 @@ from .sharding import (
     unshardable,
 )
 from .tp_rules import SIZED_VIEW_OPS, VIEW_OPS
+from .uniform import uniform_dims
 
 aten = torch.ops.aten
 
@@ -82,17 +84,28 @@ def propagate_graph(graph: fx.Graph, mesh: dt.DeviceMesh, placeholder_specs: lis
     with dt.propagation(memo):
         if decided is not None and keep_partial is None:
             keep_partial = {n for n in graph.nodes if n.name in decided.keep_partial}
-        return _propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, cp_axis=cp_axis,
-                                seq_symbol=seq_symbol, pinned_nodes=pinned_nodes, strict=strict,
-                                keep_partial=keep_partial, decided=decided, config=config)
+        run = lambda rows: _propagate_graph(  # noqa: E731
+            graph, mesh, placeholder_specs, sp_axis=sp_axis, cp_axis=cp_axis, seq_symbol=seq_symbol,
+            pinned_nodes=pinned_nodes, strict=strict, keep_partial=keep_partial, decided=decided, config=config,
+            fresh_rows=rows)
+        rows = FreshRows.of(graph, mesh, placeholder_specs, pinned_nodes)
+        if rows is None:
+            return run(None)
+        try:
+            out = run(rows)
+        except ShardingError:
+            out = None
+        if out is None or rows.gathered(out):
+            out = run(None)  # a value made in rows was wanted whole after all: make it whole, as before
+        return out
 
 def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_symbol, pinned_nodes, strict,
-                     keep_partial, decided=None, config=""):
+                     keep_partial, decided=None, config="", fresh_rows: FreshRows | None = None):
     earlier: dict[fx.Node, Decision] = {}
     if keep_partial is None:
-        first = propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, cp_axis=cp_axis,
-                                seq_symbol=seq_symbol, pinned_nodes=pinned_nodes, strict=strict, keep_partial=set(),
-                                config=config)
+        first = _propagate_graph(graph, mesh, placeholder_specs, sp_axis=sp_axis, cp_axis=cp_axis,
+                                 seq_symbol=seq_symbol, pinned_nodes=pinned_nodes, strict=strict, keep_partial=set(),
+                                 config=config, fresh_rows=fresh_rows)
         partial = {n for n, d in first.decisions.items() if d.kind == "op" and _has_partial(d.out_spec)}
         keep_partial = _partials_to_keep(graph, partial)
         # the policy's second pass: an op whose inputs arrive as they did in the first pass is decided
@@ -102,7 +115,7 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
     decisions: dict[fx.Node, Decision] = {}
     specs: dict[fx.Node, Any] = {}
     values: dict[fx.Node, Any] = {}
-    alike = _AlikeOps(specs, values, pinned_nodes)
+    alike = _AlikeOps(specs, values, pinned_nodes, fresh_rows.input_free if fresh_rows is not None else frozenset())
     placeholders = iter(placeholder_specs)
     for node in graph.nodes:
         if node.op == "placeholder":
@@ -121,7 +134,8 @@ def _propagate_graph(graph, mesh, placeholder_specs, *, sp_axis, cp_axis, seq_sy
             d = _as_before(earlier[node], specs) if node in earlier else None
             if d is None:
                 d = alike.decision(node, "decide", lambda: _decide(node, mesh, specs, values, pinned_nodes, strict,
-                                                                   rows_sharded=cp_axis is not None, config=config))
+                                                                   rows_sharded=cp_axis is not None, config=config,
+                                                                   fresh_rows=fresh_rows))
             if d.replayable and d.kind == "op" and _encoded(d) is not None:
                 searched.append(node.name)
         if d.kind == "op" and _has_partial(d.out_spec) and node not in keep_partial:
@@ -153,8 +167,8 @@ class _AlikeOps:
     every matmul reads one: [b, s] flattened; an 8-layer Llama's tp4sp search decided 18 ops per
     layer more without them)."""
 
-    def __init__(self, specs: dict, values: dict, pinned_nodes):
-        self.specs, self.values, self.pinned = specs, values, pinned_nodes
+    def __init__(self, specs: dict, values: dict, pinned_nodes, input_free=frozenset()):
+        self.specs, self.values, self.pinned, self.input_free = specs, values, pinned_nodes, input_free
         self.seen: dict[tuple, Decision] = {}
 
     def decision(self, node: fx.Node, how, decide) -> Decision | None:
@@ -178,8 +192,8 @@ class _AlikeOps:
     def _key_of(self, node: fx.Node, how) -> tuple[tuple, list[fx.Node]] | None:
         """(what decides `node`, its tensor inputs), or None for an op not keyed."""
         target = node.target
-        if not isinstance(target, OpOverload) or target in _SYM_OPS or target in _DROP_OPS:
-            return None
+        if not isinstance(target, OpOverload) or target in _SYM_OPS or target in _DROP_OPS or node in self.input_free:
+            return None  # (a value made from no input is decided by what it is, not only its inputs' specs)
         tensor_nodes, inputs = [], []
 
         def leaf(a):
@@ -345,10 +359,12 @@ def _reduction_target(spec, node: fx.Node, sp_axis: int | None, seq_symbol, cp_a
         placements[i] = dt.Shard(seq) if onto_seq else dt.Replicate()
     return dt.DTensorSpec(spec.mesh, tuple(placements), spec.tensor_meta)
 
-def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool = False, config: str = "") -> Decision:
+def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool = False, config: str = "",
+            fresh_rows: FreshRows | None = None) -> Decision:
     """`rows_sharded`: the sequence is sharded (context parallelism), so flattened [batch x seq]
     rows arrive as _StridedShards that row-wise ops should keep (`_propagate_strided_as_shard`).
-    `config`: the config's name, for the error of an op it cannot shard (`sharding.unshardable`)."""
+    `config`: the config's name, for the error of an op it cannot shard (`sharding.unshardable`).
+    `fresh_rows`: how the batch's rows are sharded, for values made from no input (`FreshRows`)."""
     target = node.target
     if target in _DROP_OPS:
         return Decision("drop")
@@ -383,8 +399,12 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
         return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
                         want_specs=[specs[n] for n in tensor_nodes], args=args, kwargs=kwargs, out_spec=spec)
     if all(p.is_replicate() for n in tensor_nodes for p in specs[n].placements):
-        # Every input whole on every rank: the op runs as on one device (masks, RoPE tables, ...).
-        return _fallback(node, mesh, specs, tensor_nodes, args, kwargs)
+        # Every input whole on every rank: the op runs as on one device (RoPE tables, ...), except a
+        # value of the batch's rows made from no input (HF's attention mask), made in rows
+        out = fresh_rows.propagate(node, target, args, kwargs, tensor_nodes, specs) if fresh_rows else None
+        if out is None:
+            return _fallback(node, mesh, specs, tensor_nodes, args, kwargs)
+        return _chosen(out, target, args, kwargs, tensor_nodes, specs)
     pinned = frozenset(i for i, n in enumerate(tensor_nodes) if n in pinned_nodes)
     error = None
     if dt.has_rule(target):
@@ -402,15 +422,7 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
                 return unflattened
         if out is not None:
             if out.output_spec is not None:
-                redo = out.redistribute_schema
-                want = list(redo.args_spec) if redo is not None else [specs[n] for n in tensor_nodes]
-                rewritten = redo is not None and out.use_val_from_redistribute_schema
-                if rewritten:
-                    args, kwargs = redo.args_schema, redo.kwargs_schema
-                resized = rewritten and _sized_as_output(target, args, kwargs, out.output_spec)
-                return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
-                                want_specs=want, args=args, kwargs=kwargs, out_spec=out.output_spec,
-                                replayable=(not rewritten or resized) and len(want) == len(tensor_nodes))
+                return _chosen(out, target, args, kwargs, tensor_nodes, specs)
             error = RuntimeError("no output sharding")
     if error is None:
         problem = f"no sharding rule for {target}"
@@ -429,6 +441,139 @@ def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool 
         raise error
     warnings.warn(f"hotswitch: {error}", stacklevel=2)
     return _fallback(node, mesh, specs, tensor_nodes, args, kwargs)
+
+def _chosen(out, target, args, kwargs, tensor_nodes, specs) -> Decision:
+    """The decision of a propagation result `out` (an OutputSharding with an output spec)."""
+    redo = out.redistribute_schema
+    want = list(redo.args_spec) if redo is not None else [specs[n] for n in tensor_nodes]
+    rewritten = redo is not None and out.use_val_from_redistribute_schema
+    if rewritten:
+        args, kwargs = redo.args_schema, redo.kwargs_schema
+    resized = rewritten and _sized_as_output(target, args, kwargs, out.output_spec)
+    return Decision("op", tensor_nodes=tensor_nodes, in_specs=[specs[n] for n in tensor_nodes],
+                    want_specs=want, args=args, kwargs=kwargs, out_spec=out.output_spec,
+                    replayable=(not rewritten or resized) and len(want) == len(tensor_nodes))
+
+
+@dataclass(frozen=True)
+class FreshRows:
+    """Values made from no input that hold the batch's rows, made in rows as the batch is sharded.
+
+    HF models build their attention mask from positions alone (`arange`s, an expand over the batch,
+    compares): [rows, 1, T, T] booleans whose every row is alike (`uniform.uniform_dims`). Decided as
+    any op on replicated inputs, it is made whole on every rank and cut into its rows only where
+    attention reads it: at 32K tokens and 64 rows, 64 GiB on each rank. Made in rows from the first
+    op whose value holds alike rows, a dp rank makes only its own (1/dp of it), each input it reads
+    in rows cut locally from a small replicated value of alike rows: no collective, and no
+    coordinate read that would part the dp ranks' programs (`sharding.reads_coordinate`)."""
+
+    placements: tuple  # the batch's rows: Shard(0) on the mesh dims that split them, Replicate elsewhere
+    rows: int  # the global batch
+    input_free: frozenset  # nodes whose values are made from no input
+    in_rows: frozenset  # those of them to make in rows (`_made_in_rows`)
+
+    @classmethod
+    def of(cls, graph: fx.Graph, mesh, placeholder_specs, pinned_nodes) -> FreshRows | None:
+        """From the first input (not a parameter) whose rows are sharded; None without one."""
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for node, spec in zip(placeholders, placeholder_specs):
+            if node in pinned_nodes or not isinstance(spec, dt.DTensorSpec) or not spec.shape:
+                continue
+            rows = tuple(p if type(p) is dt.Shard and p.dim == 0 else dt.Replicate() for p in spec.placements)
+            ways = math.prod(mesh.size(i) for i, p in enumerate(rows) if p.is_shard())
+            if ways > 1 and spec.shape[0] >= ways and isinstance(node.meta.get("val"), torch.Tensor):
+                free = _input_free(graph)
+                in_rows = _made_in_rows(graph, free, node.meta["val"].shape[0])
+                return cls(rows, spec.shape[0], free, in_rows) if in_rows else None
+        return None
+
+    def propagate(self, node, target, args, kwargs, tensor_nodes, specs):
+        """DTensor's propagation of `node` (every input replicated) with its inputs of the batch's
+        rows in rows, when it is to be made in rows and comes out in rows with no input moved but
+        those cut locally; else None."""
+        if node not in self.in_rows:
+            return None
+        in_rows = [n for n in tensor_nodes if specs[n].ndim and specs[n].shape[0] == self.rows]
+        if not in_rows:
+            return None
+        swap = lambda a: dt.DTensorSpec(a.mesh, self.placements, a.tensor_meta) if (  # noqa: E731
+            isinstance(a, dt.DTensorSpec) and any(a is specs[n] for n in in_rows)) else a
+        try:
+            trial = dt.propagate(target, map_args(swap, args), map_args(swap, kwargs))
+        except Exception:  # noqa: BLE001 - only a candidate
+            return None
+        if not isinstance(trial.output_spec, dt.DTensorSpec) or tuple(trial.output_spec.placements) != self.placements:
+            return None
+        redo = trial.redistribute_schema
+        want = list(redo.args_spec) if redo is not None else [swap(specs[n]) for n in tensor_nodes]
+        if len(want) != len(tensor_nodes) or any(
+                tuple(w.placements) != tuple(specs[n].placements)
+                and not (n in in_rows and tuple(w.placements) == self.placements)
+                for n, w in zip(tensor_nodes, want)):
+            return None
+        if redo is None:  # keep the real (replicated) specs as "have": cut locally
+            trial = copy.copy(trial)  # memoized: never change one in place
+            trial.redistribute_schema = OpSchema(target, map_args(swap, args), map_args(swap, kwargs))
+            trial.use_val_from_redistribute_schema = False
+        return trial
+
+    def gathered(self, sharding: GraphSharding) -> bool:
+        """Was a value made from no input in rows wanted otherwise on their mesh dims (a gather)?"""
+        dims = [i for i, p in enumerate(self.placements) if p.is_shard()]
+        for d in sharding.decisions.values():
+            if d.kind != "op":
+                continue
+            for n, have, want in zip(d.tensor_nodes, d.in_specs, d.want_specs):
+                if n in self.input_free and isinstance(have, dt.DTensorSpec) and any(
+                        have.placements[i].is_shard() and want.placements[i] != have.placements[i] for i in dims):
+                    return True
+        return False
+
+
+def _made_in_rows(graph: fx.Graph, input_free: frozenset, batch) -> frozenset:
+    """The values made from no input worth making in rows: of the batch's rows (dim 0 of size
+    `batch`, the inputs' rows, as a symbol where the trace keeps it dynamic), alike along them, and
+    read only where rows can stay rows: by values made in rows too, or by values made from inputs
+    (attention, beside its queries' rows). Never as the value an index picks rows of (the mask's
+    positions, picked by a batch `arange`): that reads every row. Decided from the outputs back, so
+    a chain is made in rows from its first such value on; where DTensor cannot propagate an op in
+    rows (an index), it is made whole and its readers cut it."""
+    uniform = uniform_dims(graph)
+    chosen: set[fx.Node] = set()
+
+    def reads_in_rows(user: fx.Node, value: fx.Node) -> bool:
+        if user not in input_free:
+            return user.op == "call_function"
+        picked = user.target is aten.index.Tensor and value is user.args[0]
+        if picked and (not user.args[1] or user.args[1][0] is not None):
+            return False  # its rows picked by an index
+        return user in chosen
+
+    for node in reversed(graph.nodes):
+        val = node.meta.get("val")
+        if node not in input_free or not isinstance(val, torch.Tensor) or not val.dim() \
+                or not _same_size(val.shape[0], batch) or 0 not in uniform.get(node, ()):
+            continue
+        if node.users and all(reads_in_rows(u, node) for u in node.users):
+            chosen.add(node)
+    return frozenset(chosen)
+
+
+def _same_size(a, b) -> bool:
+    if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt):
+        return isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt) and a.node.expr == b.node.expr
+    return a == b
+
+
+def _input_free(graph: fx.Graph) -> frozenset:
+    """The tensor nodes whose values are made from no input (factories, and ops on such values only)."""
+    free: set[fx.Node] = set()
+    for n in graph.nodes:
+        if n.op == "call_function" and _is_tensor_node(n) and all(
+                a in free for a in n.all_input_nodes if _is_tensor_node(a)):
+            free.add(n)
+    return frozenset(free)
+
 
 def _unflatten_strided(target, args, kwargs, tensor_nodes, specs) -> Decision | None:
     """A view that splits one dim back into the two a flatten merged, where that dim is sharded by a

@@ -67,8 +67,38 @@ def check_raw_hf_model_with_keyword_inputs_and_string_configs():
         assert set(grads) == set(grads_ref)
         worst = max(grads_ref, key=lambda n: rel_err(grads[n], grads_ref[n]))
         report[name] = dict(loss=abs(loss.item() - out.loss.item()), forward=abs(forward_only.item() - out.loss.item()),
-                            grad=rel_err(grads[worst], grads_ref[worst]), worst=worst)
+                            grad=rel_err(grads[worst], grads_ref[worst]), worst=worst,
+                            mask_rows=_mask_rows(cm.exec_graph(name)))
     return report
+
+
+def _mask_rows(gm) -> int:
+    """The most rows of an attention-mask-shaped value ([rows, 1, T, T] booleans) the program makes."""
+    return max(v.shape[0] for n in gm.graph.nodes if isinstance(v := n.meta.get("val"), torch.Tensor)
+               and v.dtype == torch.bool and v.dim() == 4 and v.shape[1] == 1 and v.shape[2] == v.shape[3])
+
+
+def check_dp_ranks_make_only_their_rows_of_the_mask_in_one_program():
+    """HF builds its causal mask from positions alone, [rows, 1, T, T] for the whole batch; each dp
+    rank makes only its own rows of it (at 32K tokens and 64 rows, 1 GiB instead of 64), and the dp
+    ranks still lower one program between them (the batch `arange` that picks the mask's rows is cut
+    to rank 0's rows in it: the rows it picks are alike). Loss and gradients equal one device."""
+    import os
+
+    model = qwen2()
+    batch = hf_batch(batch=4)
+    loss_ref, grads_ref = _reference(model, **batch)
+    os.environ["HOTSWITCH_CACHE"] = "0"  # no disk: a program one rank lowered comes from it
+    try:
+        cm = hs.compile(model, batch, configs=["dp2"])
+    finally:
+        del os.environ["HOTSWITCH_CACHE"]
+    loss = cm.forward_backward(**cm.shard_inputs(**batch))
+    grads = cm.full_grads()
+    state = cm._state("dp2")
+    program = state.programs[next(reversed(state.programs))]
+    return dict(loaded=program.loaded, mask_rows=_mask_rows(cm.exec_graph("dp2")),
+                loss=abs(loss.item() - loss_ref.item()), grad=max(rel_err(grads[n], grads_ref[n]) for n in grads_ref))
 
 
 class DictLoss(nn.Module):
@@ -285,6 +315,7 @@ def check_configs_as_strings_at_every_entry_point():
 
 CHECKS = [
     check_raw_hf_model_with_keyword_inputs_and_string_configs,
+    check_dp_ranks_make_only_their_rows_of_the_mask_in_one_program,
     check_dict_and_object_outputs_positional_and_mixed_calls,
     check_missing_and_extra_inputs_name_the_expected_ones,
     check_global_batch_without_shard_inputs_warns_once,
@@ -298,10 +329,20 @@ results = dist_fixture(2, CHECKS)
 
 
 def test_raw_hf_model_keyword_inputs_equal_single_device(results):
-    for report in results["check_raw_hf_model_with_keyword_inputs_and_string_configs"].raise_if_failed():
+    reports = results["check_raw_hf_model_with_keyword_inputs_and_string_configs"].raise_if_failed()
+    for report in reports:
         for name, r in report.items():
             assert r["loss"] <= 1e-5 and r["forward"] <= 1e-5, (name, r)
             assert r["grad"] <= 1e-5, (name, r)
+    # each rank makes only its rows of HF's mask: 5 rows are 3 and 2 under dp2, all 5 under tp2
+    assert [(r["dp2"]["mask_rows"], r["tp2"]["mask_rows"]) for r in reports] == [(3, 5), (2, 5)], reports
+
+
+def test_dp_ranks_make_only_their_rows_of_the_mask_in_one_program(results):
+    ranks = results["check_dp_ranks_make_only_their_rows_of_the_mask_in_one_program"].raise_if_failed()
+    assert all(r["mask_rows"] == 2 for r in ranks), ranks  # 4 rows over dp2
+    assert sorted(r["loaded"] for r in ranks) == [False, True], ranks  # one rank lowered it for both
+    assert all(r["loss"] <= 1e-5 and r["grad"] <= 1e-5 for r in ranks), ranks
 
 
 def test_dict_and_object_outputs(results):

@@ -79,3 +79,38 @@ def test_claimed_dims_hold_on_the_values_and_the_masks_are_found(fn):
             for d in dims.get(node, ()):
                 v = values[node]
                 assert torch.equal(v, v.narrow(d, 0, 1).expand_as(v)), (fn.__name__, node.name, d)
+
+
+def row_positions(ids):  # rows picked from a value whose rows differ: the pick reads every row
+    b, t = ids.shape
+    positions = torch.arange(b * t).view(b, t)
+    rows = torch.arange(b).view(b, 1, 1, 1)
+    return positions[rows, torch.arange(t).view(1, 1, t, 1)] > 3
+
+
+def _graph(fn):
+    ids = torch.randint(0, 8, (B, T))
+    attend = lambda ids: fn(ids) & (ids > -1)[:, None, None, :]  # noqa: E731 - read beside the input's rows
+    return make_fx(attend, tracing_mode="fake")(ids).graph
+
+
+@pytest.mark.parametrize("fn", [causal_mask, packed_mask, batch_numbered, row_positions],
+                         ids=["causal_mask", "packed_mask", "batch_numbered", "row_positions"])
+def test_values_made_from_no_input_are_made_in_rows_from_their_first_alike_rows_on(fn):
+    """`propagate._made_in_rows`: a mask's [B, 1, T, T] values are made in the batch's rows (each dp
+    rank makes its own), from the first value of alike rows on; never the positions the rows are
+    picked from (that pick reads every row), nor a value whose rows differ."""
+    from hotswitch.compiler.propagate import _input_free, _made_in_rows
+
+    graph = _graph(fn)
+    free = _input_free(graph)
+    chosen = _made_in_rows(graph, free, B)
+    uniform = uniform_dims(graph)
+    assert all(n in free and 0 in uniform[n] and n.meta["val"].shape[0] == B for n in chosen)
+    big = [n for n in free if n.meta["val"].dim() == 4 and n.meta["val"].shape[-2:] == (T, T)]
+    if fn in (causal_mask, packed_mask):
+        assert big and set(big) <= chosen, (sorted(n.name for n in big), sorted(n.name for n in chosen))
+        picked = {n.args[0] for n in graph.nodes if n.target is torch.ops.aten.index.Tensor}
+        assert not picked & chosen, "a value whose rows an index picks is made whole"
+    else:
+        assert not chosen & set(big), sorted(n.name for n in chosen)
