@@ -30,7 +30,7 @@ MaskPartial = _MaskPartial  # DTensor's vocab-parallel embedding partial: its of
 
 __all__ = [
     "DTensorSpec", "DeviceMesh", "OpSchema", "OutputSharding", "Partial", "Placement", "Replicate",
-    "Shard", "StridedShard", "make_spec", "propagate", "propagation", "redistribute", "local_shape", "has_rule",
+    "Shard", "StridedShard", "make_spec", "spec", "propagate", "propagation", "redistribute", "local_shape", "has_rule",
     "torch_functions", "from_local", "encode_placements", "decode_placements", "encode_spec", "decode_spec",
     "MaskPartial", "register_mesh_dim_strategies",
 ]
@@ -147,9 +147,22 @@ def torch_functions() -> tuple:
     return _sp._select_min_cost_strategy, _op_utils.redistribute_cost
 
 
+def spec(mesh: DeviceMesh, placements: Sequence[Placement], tensor_meta: TensorMeta | None) -> DTensorSpec:
+    """The one way hotswitch builds a spec. A _StridedShard here is always a view's strided rows
+    (the split factor the dims folded in front of it), as DTensor's own strategies produce it: a
+    spec built plainly would read it as a shard order instead (DTensorSpec's default), which is
+    neither equal to DTensor's spec of the same placements nor priced alike (any redistribution
+    between the two costs inf), so a decision made on DTensor's specs and replayed on rebuilt ones
+    came out otherwise: ranks replaying another's decisions lowered other collectives, and hung."""
+    placements = tuple(placements)
+    if any(isinstance(p, StridedShard) for p in placements):
+        return DTensorSpec(mesh, placements, tensor_meta, use_strided_shard_as_shard_order=False)
+    return DTensorSpec(mesh, placements, tensor_meta)
+
+
 def make_spec(mesh: DeviceMesh, placements: Sequence[Placement], meta: torch.Tensor) -> DTensorSpec:
     """A spec for a global tensor described by `meta` (a fake or real tensor of the global shape)."""
-    return DTensorSpec(mesh, tuple(placements), TensorMeta(meta.shape, meta.stride(), meta.dtype))
+    return spec(mesh, placements, TensorMeta(meta.shape, meta.stride(), meta.dtype))
 
 
 def encode_spec(spec: DTensorSpec) -> tuple:
@@ -160,7 +173,7 @@ def encode_spec(spec: DTensorSpec) -> tuple:
 
 def decode_spec(mesh: DeviceMesh, encoded: tuple) -> DTensorSpec:
     placements, shape, stride, dtype = encoded
-    return DTensorSpec(mesh, decode_placements(placements), TensorMeta(torch.Size(shape), stride, dtype))
+    return spec(mesh, decode_placements(placements), TensorMeta(torch.Size(shape), stride, dtype))
 
 
 _PLAIN_CODES = {Replicate: lambda p: ("R",), Shard: lambda p: ("S", p.dim), Partial: lambda p: ("P", p.reduce_op),

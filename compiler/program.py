@@ -153,7 +153,7 @@ def _plan_redistributions(plan, output_specs: list) -> tuple:
     their parameters' layouts; a stage's sent values into the neighbour's."""
     if isinstance(plan, StageOutputPlan):
         return tuple((output_specs[i], want) for i, want in plan.sent)
-    reduced = [dt.DTensorSpec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements),
+    reduced = [dt.spec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements),
                               s.tensor_meta) for s in output_specs[plan.num_losses:]]
     return tuple(zip(reduced, plan.param_specs))
 
@@ -229,7 +229,7 @@ def lower_program(logic: LogicGraph, stage: Stage | None, where: StageMesh, buff
                           torch.empty(logic.param_shapes[n], dtype=logic.param_dtypes[n], device="meta"))
              for n in param_names]
     # fsdp: the parameters arrive (and their gradients leave) in the placements they are stored in
-    stored_specs = [dt.DTensorSpec(mesh, tuple(storage[n]), s.tensor_meta) if n in storage else s
+    stored_specs = [dt.spec(mesh, tuple(storage[n]), s.tensor_meta) if n in storage else s
                     for n, s in zip(param_names, specs)]
     gathers = None
     if storage:

@@ -286,7 +286,7 @@ def _replay(node: fx.Node, placements, mesh, specs, values, ones: tuple | None =
     if ones is not None and singletons([specs[n] for n in tensor_nodes], out_spec) != ones:
         return None
     # an input wanted as it arrives keeps its spec (building one costs more than the rest of a replay)
-    want_specs = [specs[n] if _as_it_arrives(w, specs[n]) else dt.DTensorSpec(mesh, w, specs[n].tensor_meta)
+    want_specs = [specs[n] if _as_it_arrives(w, specs[n]) else dt.spec(mesh, w, specs[n].tensor_meta)
                   for n, w in zip(tensor_nodes, want)]
     if node.target in SIZED_VIEW_OPS:  # the view's size, as DTensor rewrote it: the output's local shape
         if not (_evenly_sharded(out_spec) and _evenly_sharded(want_specs[0])):
@@ -357,7 +357,7 @@ def _reduction_target(spec, node: fx.Node, sp_axis: int | None, seq_symbol, cp_a
         taken = any(isinstance(q, dt.Shard) and q.dim == seq for j, q in enumerate(placements) if j != i)
         onto_seq = i in (sp_axis, cp_axis) and seq is not None and not taken
         placements[i] = dt.Shard(seq) if onto_seq else dt.Replicate()
-    return dt.DTensorSpec(spec.mesh, tuple(placements), spec.tensor_meta)
+    return dt.spec(spec.mesh, tuple(placements), spec.tensor_meta)
 
 def _decide(node, mesh, specs, values, pinned_nodes, strict, rows_sharded: bool = False, config: str = "",
             fresh_rows: FreshRows | None = None) -> Decision:
@@ -496,7 +496,7 @@ class FreshRows:
         in_rows = [n for n in tensor_nodes if specs[n].ndim and specs[n].shape[0] == self.rows]
         if not in_rows:
             return None
-        swap = lambda a: dt.DTensorSpec(a.mesh, self.placements, a.tensor_meta) if (  # noqa: E731
+        swap = lambda a: dt.spec(a.mesh, self.placements, a.tensor_meta) if (  # noqa: E731
             isinstance(a, dt.DTensorSpec) and any(a is specs[n] for n in in_rows)) else a
         try:
             trial = dt.propagate(target, map_args(swap, args), map_args(swap, kwargs))
@@ -637,7 +637,7 @@ def _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs):
     ]
     for donor in donors:
         fresh_nodes = {tensor_nodes[i] for i in fresh}
-        swap = lambda a: dt.DTensorSpec(a.mesh, donor.placements, a.tensor_meta) if (  # noqa: E731
+        swap = lambda a: dt.spec(a.mesh, donor.placements, a.tensor_meta) if (  # noqa: E731
             isinstance(a, dt.DTensorSpec) and any(a is specs[n] for n in fresh_nodes) and a.ndim == donor.ndim) else a
         try:
             trial = dt.propagate(target, map_args(swap, args), map_args(swap, kwargs), pinned)
@@ -679,7 +679,7 @@ def _propagate_strided_as_shard(target, args, kwargs, pinned, tensor_nodes, spec
         if not isinstance(a, dt.DTensorSpec) or not any(isinstance(p, dt.StridedShard) for p in a.placements):
             return a
         placements = tuple(dt.Shard(p.dim) if isinstance(p, dt.StridedShard) else p for p in a.placements)
-        return dt.DTensorSpec(a.mesh, placements, a.tensor_meta)
+        return dt.spec(a.mesh, placements, a.tensor_meta)
 
     try:
         trial = dt.propagate(target, map_args(as_shard, args), map_args(as_shard, kwargs), pinned)
@@ -711,7 +711,7 @@ def _propagate_strided_as_shard(target, args, kwargs, pinned, tensor_nodes, spec
                 if not (have[i].is_replicate() and type(w[i]) is dt.Shard and specs[n].shape[w[i].dim] == size):
                     return None
                 w[i] = dt.StridedShard(w[i].dim, split_factor=split_factor)
-        wants.append(dt.DTensorSpec(specs[n].mesh, tuple(w), specs[n].tensor_meta))
+        wants.append(dt.spec(specs[n].mesh, tuple(w), specs[n].tensor_meta))
     placements = list(out.placements)
     for i, (split_factor, size) in strided.items():
         q = placements[i]
@@ -721,7 +721,7 @@ def _propagate_strided_as_shard(target, args, kwargs, pinned, tensor_nodes, spec
             return None
         placements[i] = dt.StridedShard(q.dim, split_factor=split_factor)
     trial = copy.copy(trial)  # propagation results are memoized: never change one in place
-    trial.output_spec = dt.DTensorSpec(out.mesh, tuple(placements), out.tensor_meta)
+    trial.output_spec = dt.spec(out.mesh, tuple(placements), out.tensor_meta)
     leaves, tree = pytree.tree_flatten((args, kwargs))
     queue = iter(wants)
     leaves = [next(queue) if isinstance(a, dt.DTensorSpec) else a for a in leaves]
@@ -740,7 +740,7 @@ def _propagate_gathering_uneven(target, args, kwargs, pinned, tensor_nodes, spec
         placements = tuple(
             dt.Replicate() if isinstance(p, dt.Shard) and (every or a.shape[p.dim] % a.mesh.size(i)) else p
             for i, p in enumerate(a.placements))
-        return a if placements == a.placements else dt.DTensorSpec(a.mesh, placements, a.tensor_meta)
+        return a if placements == a.placements else dt.spec(a.mesh, placements, a.tensor_meta)
 
     for every in (False, True):
         want_args = map_args(lambda a: gathered(a, every), args)  # noqa: B023 - used at once
@@ -761,7 +761,7 @@ def _propagate_gathering_uneven(target, args, kwargs, pinned, tensor_nodes, spec
 
 def _fallback(node, mesh, specs, tensor_nodes, args, kwargs) -> Decision:
     """Run the op on replicated inputs (gathered first when they are not): always correct."""
-    want = [dt.DTensorSpec(mesh, (dt.Replicate(),) * mesh.ndim, specs[n].tensor_meta) for n in tensor_nodes]
+    want = [dt.spec(mesh, (dt.Replicate(),) * mesh.ndim, specs[n].tensor_meta) for n in tensor_nodes]
     metas = meta_run(node.target, args, kwargs)
     make = lambda m: dt.make_spec(mesh, (dt.Replicate(),) * mesh.ndim, m) if isinstance(m, torch.Tensor) else None  # noqa: E731
     out = tuple(make(m) for m in metas) if isinstance(metas, (tuple, list)) else make(metas)

@@ -189,7 +189,7 @@ def finish_outputs(leaves, specs, plan: OutputPlan, mesh, bucket_bytes, ops=OnTe
     `ops`: on tensors (traced), or emitted into a program (`OnProgram`)."""
     reduced = list(leaves)
     final_specs = [
-        dt.DTensorSpec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements), s.tensor_meta)
+        dt.spec(s.mesh, tuple(dt.Replicate() if p.is_partial() else p for p in s.placements), s.tensor_meta)
         for s in specs
     ]
     scattered = scattered_units(specs, plan)
