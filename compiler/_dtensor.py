@@ -24,6 +24,8 @@ from torch.distributed.tensor._redistribute import redistribute_local_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _MaskPartial
 
+from hotswitch.distconfig import chunk_span
+
 from ._torch import arg_leaves
 
 MaskPartial = _MaskPartial  # DTensor's vocab-parallel embedding partial: its offset is a rank's own
@@ -383,8 +385,7 @@ def _logical_size(shape, mesh, placements, i: int, dim: int) -> int:
         if isinstance(p, StridedShard):
             size = sum(length for _, _, length in strided_runs(size, int(p.split_factor), n)[c])
         else:
-            step = -(-size // n)
-            size = max(0, min(step, size - c * step))
+            size = chunk_span(size, n, c)[1]
     return size
 
 
@@ -493,8 +494,7 @@ def strided_runs(size: int, split_factor: int, ranks: int) -> list[list[tuple[in
     torch.chunk's semantics twice, as DTensor splits: the dim into `split_factor` pieces, each piece
     into `ranks` chunks (fewer chunks than asked are empty), rank r holding every piece's chunk r."""
     def chunks(start: int, length: int, k: int) -> list[tuple[int, int]]:
-        step = -(-length // k) if length else 0
-        return [(start + min(j * step, length), max(0, min(step, length - j * step))) for j in range(k)]
+        return [(start + at, width) for at, width in (chunk_span(length, k, j) for j in range(k))]
 
     runs: list[list[tuple[int, int, int]]] = [[] for _ in range(ranks)]
     filled = [0] * ranks

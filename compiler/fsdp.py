@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from hotswitch.distconfig import fsdp_dim
+from hotswitch.distconfig import chunk_span, fsdp_dim
 
 from . import _dtensor as dt
 
@@ -85,8 +85,8 @@ class GatherPlan:
 def _chunking(want, dp_dim: int, size: int) -> tuple[int, int, list[int]]:
     """(the sharded dim, the padded chunk size, every dp rank's chunk size): torch.chunk's sizes."""
     dim = want.placements[dp_dim].dim
-    c = math.ceil(size / want.mesh.size(dp_dim))
-    return dim, c, [max(0, min(c, size - r * c)) for r in range(want.mesh.size(dp_dim))]
+    n = want.mesh.size(dp_dim)
+    return dim, math.ceil(size / n), [chunk_span(size, n, r)[1] for r in range(n)]
 
 
 def gather_unit(storage_specs: Sequence, compute_specs: Sequence, dp_dim: int):

@@ -7,7 +7,7 @@ and pure planning start without it.
 """
 
 from .config import GRAMMAR, DistConfig, parse_configs, standard_configs
-from .layout import Box, Layout
+from .layout import Box, Layout, chunk_span
 from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard, from_torch, fsdp_dim, to_torch
 from .stages import balanced_split
@@ -25,6 +25,7 @@ __all__ = [
     "Shard",
     "Topology",
     "balanced_split",
+    "chunk_span",
     "from_torch",
     "fsdp_dim",
     "parse_configs",

@@ -23,7 +23,7 @@ import numpy as np
 from .mesh import Mesh
 from .placement import Partial, Placement, Replicate, Shard, from_torch
 
-__all__ = ["Layout", "Box"]
+__all__ = ["Layout", "Box", "chunk_span"]
 
 Box = tuple[tuple[int, int], ...]
 
@@ -138,6 +138,14 @@ class Layout:
     def __repr__(self) -> str:
         mesh = f"{self.mesh.axis_names}={self.mesh.shape}"
         return f"Layout({self.global_shape}, {list(self.placements)} on {mesh})"
+
+
+def chunk_span(n: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, size) of piece `index` when n elements are cut into `parts` as torch.chunk cuts them,
+    and DTensor's Shard: pieces of ceil(n / parts), the last ones smaller or empty."""
+    step = -(-n // parts)
+    start = min(index * step, n)
+    return start, min(step, n - start)
 
 
 def _boxes_at(layout: Layout, coords: np.ndarray) -> np.ndarray:

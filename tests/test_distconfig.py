@@ -430,3 +430,16 @@ def test_parse_configs_errors_list_the_accepted_forms(configs, phrase):
         parse_configs(configs)
     if "repeat" not in phrase:  # one message, wherever a config is read: it lists the accepted forms
         assert GRAMMAR in str(e.value)
+
+
+def test_chunk_span_is_torch_chunks_cut():
+    """The one rule for a dim cut over ranks (cp's sequence, fsdp's shards, DTensor's Shard): the
+    pieces torch.chunk gives, padded with empty ones where it gives fewer than asked."""
+    from hotswitch.distconfig import chunk_span
+
+    for n in range(0, 20):
+        for parts in range(1, 7):
+            pieces = torch.arange(n).chunk(parts) if n else ()
+            spans = [chunk_span(n, parts, i) for i in range(parts)]
+            assert [size for _, size in spans] == [len(p) for p in pieces] + [0] * (parts - len(pieces)), (n, parts)
+            assert all(p.tolist() == list(range(start, start + size)) for p, (start, size) in zip(pieces, spans))

@@ -23,11 +23,11 @@ from hotswitch.compiler.signature import ModelCall
 from hotswitch.compiler.stages import StageSplit, split_stages
 from hotswitch.compiler.tp_rules import TPRoles, infer_tp_roles
 from hotswitch.compiler.trace import LogicGraph
-from hotswitch.distconfig import DistConfig, Layout, Topology, parse_configs
+from hotswitch.distconfig import DistConfig, Layout, Topology, chunk_span, parse_configs
 from hotswitch.distributed.device import comm_tensor, runtime_device
 from hotswitch.runtime import weights as W
 from hotswitch.runtime.backend import GraphRunner
-from hotswitch.runtime.config_state import ConfigState, chunk_span, layouts_on, make_config_state, parameter_layouts
+from hotswitch.runtime.config_state import ConfigState, layouts_on, make_config_state, parameter_layouts
 from hotswitch.runtime.inputs import InputSharding, checked_cp_layout
 from hotswitch.runtime.meta_init import INIT, hf_model_of
 from hotswitch.runtime.pipeline import SCHEDULES, StepStats, reduction_for, run_step

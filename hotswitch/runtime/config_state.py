@@ -19,7 +19,7 @@ from hotswitch.compiler.program import StageMesh, StageProgram
 from hotswitch.compiler.sharding import ShardingDecisions
 from hotswitch.compiler.stages import StageSplit
 from hotswitch.compiler.tp_rules import TPRoles, param_placements
-from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, from_torch
+from hotswitch.distconfig import DistConfig, Layout, Mesh, Replicate, chunk_span, from_torch
 from hotswitch.switch.state import state_key
 
 
@@ -186,11 +186,3 @@ def split_size(n: int, parts: int, index: int) -> int:
     """Rows of part `index` when n rows are split by torch.tensor_split into `parts`."""
     return n // parts + (1 if index < n % parts else 0)
 
-
-def chunk_span(n: int, parts: int, index: int) -> tuple[int, int]:
-    """(start, size) of part `index` when n positions are cut into `parts` chunks of ceil(n / parts):
-    torch.chunk's sizes, DTensor's Shard (the last parts may be smaller, or empty). The sequence's
-    cut over cp ranks."""
-    step = -(-n // parts)
-    start = min(index * step, n)
-    return start, min(step, n - start)

@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from hotswitch.compiler.program import StageProgram
 from hotswitch.compiler.signature import ModelCall
+from hotswitch.distconfig import chunk_span
 from hotswitch.distributed.device import comm_tensor
-from hotswitch.runtime.config_state import ConfigState, chunk_span
+from hotswitch.runtime.config_state import ConfigState
 
 
 class InputSharding:
