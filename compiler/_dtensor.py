@@ -447,12 +447,11 @@ def _gather_strided(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec) -> 
     if not isinstance(placement, StridedShard):
         return None
     d = placement.dim
-    if any(isinstance(p, (Shard, StridedShard)) and p.dim == d for j, p in enumerate(src.placements) if j != i):
+    if any(_shards(p, d) for j, p in enumerate(src.placements) if j != i):
         return None
     if not target.is_replicate():
         if type(target) is not Shard or target.dim == d or any(
-                isinstance(p, (Shard, StridedShard)) and p.dim == target.dim
-                for spec in (src, dst) for j, p in enumerate(spec.placements) if j != i):
+                _shards(p, target.dim) for spec in (src, dst) for j, p in enumerate(spec.placements) if j != i):
             return None
     whole = _strided_whole(local, d, int(placement.split_factor), int(src.shape[d]), src.mesh, i)
     if target.is_replicate():

@@ -498,23 +498,16 @@ class FreshRows:
             return None
         swap = lambda a: dt.spec(a.mesh, self.placements, a.tensor_meta) if (  # noqa: E731
             isinstance(a, dt.DTensorSpec) and any(a is specs[n] for n in in_rows)) else a
-        try:
-            trial = dt.propagate(target, map_args(swap, args), map_args(swap, kwargs))
-        except Exception:  # noqa: BLE001 - only a candidate
+        trial = _propagate_swapped(target, args, kwargs, swap)
+        if trial is None or not isinstance(trial.output_spec, dt.DTensorSpec) \
+                or tuple(trial.output_spec.placements) != self.placements:
             return None
-        if not isinstance(trial.output_spec, dt.DTensorSpec) or tuple(trial.output_spec.placements) != self.placements:
-            return None
-        redo = trial.redistribute_schema
-        want = list(redo.args_spec) if redo is not None else [swap(specs[n]) for n in tensor_nodes]
+        want = trial.redistribute_schema.args_spec
         if len(want) != len(tensor_nodes) or any(
                 tuple(w.placements) != tuple(specs[n].placements)
                 and not (n in in_rows and tuple(w.placements) == self.placements)
                 for n, w in zip(tensor_nodes, want)):
             return None
-        if redo is None:  # keep the real (replicated) specs as "have": cut locally
-            trial = copy.copy(trial)  # memoized: never change one in place
-            trial.redistribute_schema = OpSchema(target, map_args(swap, args), map_args(swap, kwargs))
-            trial.use_val_from_redistribute_schema = False
         return trial
 
     def gathered(self, sharding: GraphSharding) -> bool:
@@ -639,17 +632,27 @@ def _propagate_placing_fresh(target, args, kwargs, pinned, tensor_nodes, specs):
         fresh_nodes = {tensor_nodes[i] for i in fresh}
         swap = lambda a: dt.spec(a.mesh, donor.placements, a.tensor_meta) if (  # noqa: E731
             isinstance(a, dt.DTensorSpec) and any(a is specs[n] for n in fresh_nodes) and a.ndim == donor.ndim) else a
-        try:
-            trial = dt.propagate(target, map_args(swap, args), map_args(swap, kwargs), pinned)
-        except Exception:  # noqa: BLE001 - this placement is only a candidate
-            continue
-        want = trial.redistribute_schema.args_spec if trial.redistribute_schema is not None else None
-        if trial.output_spec is not None and (want is None or all(
-                i in fresh or w.placements == specs[n].placements for i, (n, w) in enumerate(zip(tensor_nodes, want)))):
-            if trial.redistribute_schema is None:  # keep the real (replicated) specs as "have": chunk locally
-                trial.redistribute_schema = OpSchema(target, map_args(swap, args), map_args(swap, kwargs))
+        trial = _propagate_swapped(target, args, kwargs, swap, pinned)
+        if trial is not None and trial.output_spec is not None and all(
+                i in fresh or w.placements == specs[n].placements
+                for i, (n, w) in enumerate(zip(tensor_nodes, trial.redistribute_schema.args_spec))):
             return trial
     return out
+
+
+def _propagate_swapped(target, args, kwargs, swap, pinned: frozenset[int] = frozenset()):
+    """DTensor's propagation as if some replicated inputs arrived in other placements (`swap`: a
+    spec -> the one to assume), placements a rank reaches by a local cut. Where DTensor asks to move
+    nothing, what it wants is the assumed specs, the inputs' real specs staying what they have: the
+    cut. None where DTensor refuses."""
+    args, kwargs = map_args(swap, args), map_args(swap, kwargs)
+    try:
+        trial = dt.propagate(target, args, kwargs, pinned)
+    except Exception:  # noqa: BLE001 - only a candidate
+        return None
+    if trial.output_spec is not None and trial.redistribute_schema is None:
+        trial.redistribute_schema = OpSchema(target, args, kwargs)  # (dt.propagate returns a copy to edit)
+    return trial
 
 def _moves_strided(out, tensor_nodes, specs) -> bool:
     """Does this propagation redistribute an input that arrives as a _StridedShard?"""

@@ -30,7 +30,6 @@ from torch import nn
 INIT = "init"  # weights= of the model's own initialization (`hotswitch.runtime.weights`)
 
 
-
 def hf_model_of(model: nn.Module) -> tuple[str, nn.Module] | None:
     """(prefix of its names, module) of the outermost Hugging Face PreTrainedModel in `model`, or None."""
     try:
@@ -41,6 +40,7 @@ def hf_model_of(model: nn.Module) -> tuple[str, nn.Module] | None:
         if isinstance(module, PreTrainedModel):
             return (path + "." if path else ""), module
     return None
+
 
 @dataclass(frozen=True)
 class _Unit:
