@@ -5,14 +5,13 @@ import warnings
 
 import pytest
 import torch
+import transformers  # a required package (pyproject.toml): builds HF models from configs
 from torch import nn
+from transformers.initialization import no_init_weights
 
 from hotswitch.models import GPT, GPTConfig
 from hotswitch.runtime.meta_init import initialized
 from hotswitch.runtime.weights import check_buffers, check_source, computed_buffers, match_keys
-
-transformers = pytest.importorskip("transformers")
-from transformers.initialization import no_init_weights  # noqa: E402
 
 
 def _initialize(model, init, seed):
